@@ -1,0 +1,9 @@
+"""Where the course's shipped files live: the repository's assets/ folder, or $KVLAB_ASSETS."""
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ASSETS_DIR = Path(os.environ.get("KVLAB_ASSETS", REPO_ROOT / "assets"))
+DEFAULT_MODEL_DIR = ASSETS_DIR / "model"
+MODEL_CONFIGS_DIR = ASSETS_DIR / "configs"

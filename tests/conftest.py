@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded model, and tiny random models of each supported family saved locally."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never fetch from a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from kvlab.paths import DEFAULT_MODEL_DIR
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # Qwen2 has biases on q/k/v: a different code path
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+
+
+def make_tiny_model(family: str, num_kv_heads: int = 2, seed: int = 0):
+    """A randomly initialised model of `family` with 4 query heads and `num_kv_heads` KV heads."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=num_kv_heads, head_dim=16, max_position_embeddings=96, pad_token_id=0,
+        eos_token_id=None, bos_token_id=None, **extra,
+    )
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The course's embedded model and tokenizer, loaded once per test session."""
+    from kvlab import load_model
+
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        pytest.fail(f"the embedded model is missing from {DEFAULT_MODEL_DIR}; train it with tools/train_model.py")
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """Tiny random Llama, Qwen2 and Mistral models saved with a tokenizer-free config, by family."""
+    dirs = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        make_tiny_model(family).save_pretrained(path)
+        dirs[family] = path
+    return dirs
