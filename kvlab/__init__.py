@@ -2,11 +2,21 @@
 
 The modules follow the chapters:
   Chapter 1  kv_size (bytes per token), attention (reference causal attention), runner (the hook
-             that lets a transformers model run on kvlab's cache), naive_cache, generate
+             that lets a transformers model run on kvlab's cache), naive_cache, generate, model
+  Chapter 2  contiguous (first-fit arena, Max/Pow2/Oracle reservations), traces, memory_sim
+  Chapter 3  paging (block tables, slot mapping, BlockManager), paged_cache (K/V pools, gather
+             attention), paged_generate (several sequences on one pool), widgets (the block map)
 """
 
 __version__ = "0.1.0"
 
-from .model import load_model  # noqa: E402
-
 __all__ = ["load_model", "__version__"]
+
+
+def __getattr__(name):
+    # Imported on first use so that torch-free chapters (the memory simulator) start fast.
+    if name == "load_model":
+        from .model import load_model
+
+        return load_model
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
