@@ -1,0 +1,363 @@
+"""A live map of the paged KV cache: the physical block pool, each sequence's block table, and controls.
+
+The drawing never reads an engine directly. `snapshot(engine)` turns the engine into plain data and
+`render_html(snap)` draws that data, so any engine that produces the same dictionary can be shown:
+
+    {
+      "block_size": 16, "num_blocks": 32, "step": 3, "done": False,
+      "blocks": [                       # one per physical block, in id order
+        {"id": 0, "owner": 1, "fill": 12, "logical": 0,
+         # optional, for later chapters:
+         "owners": [1, 2],              # every sequence whose table holds the block (shared prefix)
+         "ref_count": 2,                # drawn as a badge when above 1
+         "cached": True,                # free but still holding reusable K/V (drawn hatched)
+         "note": "any extra hover text"},
+        ...],
+      "sequences": [
+        {"id": 1, "status": "running",  # "waiting" / "running" / "finished" or an engine's own word
+         "block_table": [5, 9], "tokens_stored": 20, "prompt_ids": [...], "output_ids": [...],
+         "arrival_step": 0,             # optional
+         "prompt_text": "...", "output_text": "..."},  # optional: else decode(ids) is used
+        ...],
+      "counters": {...},                # optional: counters_for(blocks, block_size, step) fills it in
+    }
+
+An engine with a `snapshot()` method supplies its own; `BlockMap(snapshot_fn=...)` swaps the adapter.
+"""
+
+import html
+import zlib
+from collections.abc import Callable
+
+import ipywidgets as widgets
+
+# Okabe and Ito's palette: distinguishable with the common colour-vision deficiencies.
+PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+FREE_COLOUR = "#e8e8e8"
+FREE_FILL_COLOUR = "#9e9e9e"  # content kept by a cached-but-free block
+CELL_PX = 36
+PLAY_MAX = 10**6  # Play counts up to this; the widget stops it when the engine is done
+
+
+def seq_colour(seq_id) -> str:
+    """The palette colour of a sequence; stable for ids of any type."""
+    index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
+    return PALETTE[index % len(PALETTE)]
+
+
+def counters_for(blocks: list[dict], block_size: int, step: int) -> dict:
+    """The counters line for a list of snapshot blocks: used/free blocks, tokens, slot use."""
+    used = [b for b in blocks if _owners(b)]
+    tokens = sum(b.get("fill", 0) for b in used)
+    slots = len(used) * block_size
+    return {
+        "step": step,
+        "num_blocks": len(blocks),
+        "used_blocks": len(used),
+        "free_blocks": len(blocks) - len(used),
+        "tokens_stored": tokens,
+        "slot_utilization": tokens / slots if slots else 0.0,
+    }
+
+
+def snapshot(engine) -> dict:
+    """The engine's cache state as plain data (see the module docstring); a PagedGenerator or anything alike."""
+    if callable(getattr(engine, "snapshot", None)):
+        return engine.snapshot()
+    manager = engine.block_manager
+    size = manager.block_size
+    blocks = [{"id": b, "owner": None, "fill": 0, "logical": None} for b in range(manager.num_blocks)]
+    for seq_id, table in manager.block_tables.items():
+        stored = manager.num_tokens[seq_id]
+        for logical, block in enumerate(table):
+            blocks[block].update(owner=seq_id, fill=min(size, stored - logical * size), logical=logical)
+    running = {s.seq_id for s in engine.running}
+    finished = {s.seq_id for s in engine.finished}
+    sequences = []
+    for seq_id in sorted(engine.sequences):
+        seq = engine.sequences[seq_id]
+        status = "finished" if seq_id in finished else "running" if seq_id in running else "waiting"
+        sequences.append({
+            "id": seq_id,
+            "status": status,
+            "block_table": list(manager.block_tables.get(seq_id, [])),
+            "tokens_stored": manager.num_tokens.get(seq_id, 0),
+            "prompt_ids": list(seq.prompt_ids),
+            "output_ids": list(seq.output_ids),
+            "arrival_step": seq.arrival_step,
+        })
+    return {
+        "block_size": size,
+        "num_blocks": manager.num_blocks,
+        "step": engine.step_count,
+        "done": not engine.has_unfinished(),
+        "blocks": blocks,
+        "sequences": sequences,
+        "counters": counters_for(blocks, size, engine.step_count),
+    }
+
+
+def _counters(snap: dict) -> dict:
+    return snap.get("counters") or counters_for(snap["blocks"], snap["block_size"], snap.get("step", 0))
+
+
+def _owners(block: dict) -> list:
+    owners = block.get("owners")
+    if owners:
+        return list(owners)
+    return [] if block.get("owner") is None else [block["owner"]]
+
+
+def _esc(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _attr(value) -> str:
+    return "" if value is None else _esc(value)
+
+
+def _stripes(colours: list[str]) -> str:
+    # A shared block shows every owner's colour in diagonal bands.
+    band = 6
+    stops = ", ".join(f"{c} {i * band}px {(i + 1) * band}px" for i, c in enumerate(colours))
+    return f"repeating-linear-gradient(45deg, {stops})"
+
+
+def _block_html(block: dict, block_size: int) -> str:
+    owners = _owners(block)
+    fill = int(block.get("fill", 0))
+    cached = bool(block.get("cached")) and not owners
+    ref_count = block.get("ref_count")
+    if owners:
+        colours = [seq_colour(o) for o in owners]
+        bar = colours[0] if len(colours) == 1 else _stripes(colours)
+        background, border = colours[0] + "33", "1px solid #555"
+        who = f"seq {owners[0]}" if len(owners) == 1 else "shared by seqs " + ", ".join(map(str, owners))
+        if block.get("logical") is not None and len(owners) == 1:
+            who += f", logical block {block['logical']}"
+    else:
+        bar = FREE_FILL_COLOUR
+        background = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 4px, #d0d0d0 4px 6px)" if cached else FREE_COLOUR
+        border = "1px dashed #777" if cached else "1px solid #c4c4c4"
+        who = "free, cached" if cached else "free"
+    hover = f"physical block {block['id']}: {who}; {fill}/{block_size} tokens"
+    if ref_count is not None:
+        hover += f"; ref count {ref_count}"
+    if block.get("note"):
+        hover += f"; {block['note']}"
+    height = round(100 * min(fill, block_size) / block_size)
+    owner_label = "" if not owners else (f"s{owners[0]}" if len(owners) == 1 else f"s{owners[0]}+")
+    badge = (f'<span style="position:absolute;right:1px;top:1px;font-size:9px;background:#222;color:#fff;'
+             f'border-radius:3px;padding:0 2px">×{_esc(ref_count)}</span>') if ref_count and ref_count > 1 else ""
+    label_style = "position:relative;display:block;line-height:12px;background:rgba(255,255,255,.75);padding:0 1px"
+    return (
+        f'<div class="kvlab-block" data-block="{_attr(block["id"])}" data-owner="{_attr(owners[0] if owners else None)}"'
+        f' data-owners="{_esc(" ".join(map(str, owners)))}" data-fill="{fill}" data-cached="{int(cached)}"'
+        f' data-ref-count="{_attr(ref_count)}" title="{_esc(hover)}"'
+        f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;border:{border};'
+        f'border-radius:4px;background:{background};overflow:hidden;font:10px/1.1 monospace;color:#111">'
+        f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;background:{bar}"></div>'
+        f'<span style="{label_style};width:max-content">{_esc(block["id"])}</span>'
+        f'<span style="{label_style};width:max-content;font-weight:bold">{_esc(owner_label)}</span>{badge}</div>'
+    )
+
+
+def _text(seq: dict, key: str, decode: Callable | None) -> str:
+    if seq.get(f"{key}_text") is not None:
+        return seq[f"{key}_text"]
+    ids = list(seq.get(f"{key}_ids", []))
+    if decode is not None:
+        try:
+            return decode(ids)
+        except Exception:  # a bad id must not break the drawing: fall back to the ids
+            pass
+    return " ".join(map(str, ids))
+
+
+def _clip(text: str, limit: int, keep_end: bool) -> str:
+    if len(text) <= limit:
+        return text
+    return "…" + text[-limit:] if keep_end else text[:limit] + "…"
+
+
+def _sequence_html(seq: dict, blocks_by_id: dict, decode: Callable | None) -> str:
+    colour = seq_colour(seq["id"])
+    status = seq.get("status", "")
+    table = seq.get("block_table", [])
+    cells = []
+    for logical, block_id in enumerate(table):
+        shared = len(_owners(blocks_by_id.get(block_id, {}))) > 1
+        hover = f"logical block {logical} → physical block {block_id}" + (" (shared)" if shared else "")
+        cells.append(
+            f'<span title="{_esc(hover)}" style="display:inline-block;margin:1px;padding:0 3px;border-radius:3px;'
+            f'background:{colour}55;border:1px {"dashed" if shared else "solid"} {colour};font:11px monospace">'
+            f'{logical}→{_esc(block_id)}</span>'
+        )
+    if not cells:
+        cells.append('<span style="color:#777;font-size:11px">'
+                     + ("blocks returned to the pool" if status == "finished" else "no blocks yet") + "</span>")
+    detail = f"{seq.get('tokens_stored', 0)} tokens cached"
+    if status == "waiting" and seq.get("arrival_step") is not None:
+        detail = f"arrives at step {seq['arrival_step']}"
+    prompt = _clip(_text(seq, "prompt", decode), 80, keep_end=True)
+    output = _clip(_text(seq, "output", decode), 400, keep_end=True)
+    if decode is None and "output_text" not in seq and prompt and output:
+        output = " " + output  # token ids: keep the last prompt id and the first new one apart
+    return (
+        f'<div class="kvlab-seq" data-seq="{_attr(seq["id"])}" data-status="{_esc(status)}"'
+        f' data-blocks="{len(table)}" style="margin:0 0 6px 0;padding:3px 6px;border-left:6px solid {colour}">'
+        f'<div style="font-size:12px"><b>seq {_esc(seq["id"])}</b> · <i>{_esc(status)}</i> · {_esc(detail)}</div>'
+        f'<div>{"".join(cells)}</div>'
+        f'<div class="kvlab-text" style="font:11px monospace;white-space:pre-wrap;max-width:420px">'
+        f'<span style="color:#777">{_esc(prompt)}</span><b>{_esc(output)}</b></div></div>'
+    )
+
+
+def _counters_html(c: dict) -> str:
+    text = (f"step {c['step']} · {c['used_blocks']} of {c['num_blocks']} blocks used, {c['free_blocks']} free"
+            f" · {c['tokens_stored']} tokens stored · {c['slot_utilization']:.0%} of used block slots hold tokens")
+    for label, value in c.get("extra", {}).items():
+        text += f" · {label}: {value}"
+    return (f'<div class="kvlab-counters" data-step="{c["step"]}" data-used="{c["used_blocks"]}"'
+            f' data-free="{c["free_blocks"]}" data-tokens="{c["tokens_stored"]}"'
+            f' style="font:12px monospace;margin:4px 0 8px 0">{_esc(text)}</div>')
+
+
+def render_html(snap: dict | None, decode: Callable | None = None, title: str = "", error: str | None = None,
+                columns: int | None = None) -> str:
+    """The HTML of one snapshot: counters, the block grid, the block tables, and an error line if any."""
+    parts = [f'<div style="font-weight:bold;font-size:14px">{_esc(title)}</div>'] if title else []
+    attrs = ""
+    if snap is not None:
+        size = snap["block_size"]
+        blocks = snap["blocks"]
+        counters = _counters(snap)
+        attrs = (f' data-step="{counters["step"]}" data-used="{counters["used_blocks"]}"'
+                 f' data-free="{counters["free_blocks"]}" data-num-blocks="{len(blocks)}"')
+        columns = columns or min(len(blocks), 8 if len(blocks) <= 48 else 16)
+        grid = "".join(_block_html(b, size) for b in blocks)
+        by_id = {b["id"]: b for b in blocks}
+        seqs = "".join(_sequence_html(s, by_id, decode) for s in snap.get("sequences", []))
+        parts += [
+            _counters_html(counters),
+            '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start">'
+            f'<div><div style="font-size:12px;margin-bottom:3px">physical block pool ({size} token slots per block)</div>'
+            f'<div class="kvlab-pool" style="display:grid;grid-template-columns:repeat({columns},{CELL_PX}px);gap:3px">'
+            f'{grid}</div><div style="font-size:11px;color:#555;margin-top:3px;max-width:{columns * (CELL_PX + 3)}px">'
+            f'bar height = slots holding tokens · grey = free · hover a block for details</div></div>'
+            f'<div class="kvlab-seqs" style="min-width:260px"><div style="font-size:12px;margin-bottom:3px">'
+            f'block tables (logical → physical)</div>{seqs}</div></div>',
+        ]
+    if error:
+        parts.append(f'<div class="kvlab-error" style="color:#b00020;font:12px monospace;white-space:pre-wrap;'
+                     f'margin-top:6px">{_esc(error)}</div>')
+    return f'<div class="kvlab-block-map"{attrs} style="font-family:sans-serif">{"".join(parts)}</div>'
+
+
+class BlockMap(widgets.VBox):
+    """A live block map of an engine built by `make_engine`, with Step, Play and Reset."""
+
+    def __init__(self, make_engine: Callable[[], object], decode: Callable | None = None,
+                 title: str = "Paged KV cache", snapshot_fn: Callable[[object], dict] = snapshot,
+                 interval_ms: int = 400, columns: int | None = None):
+        self._make_engine = make_engine
+        self.decode = decode
+        self.title = title
+        self.snapshot_fn = snapshot_fn
+        self.columns = columns
+        self.engine = None
+        self.error: str | None = None
+        self.last_snapshot: dict | None = None
+        self._resetting = False
+
+        self.step_button = widgets.Button(description="Step", icon="step-forward", tooltip="run one engine step")
+        self.play = widgets.Play(value=0, min=0, max=PLAY_MAX, interval=interval_ms, show_repeat=False,
+                                 description="Play", tooltip="step until every sequence is done")
+        self.speed = widgets.IntSlider(value=interval_ms, min=50, max=2000, step=50, description="ms / step",
+                                       continuous_update=False, layout=widgets.Layout(width="260px"))
+        self.reset_button = widgets.Button(description="Reset", icon="undo", tooltip="rebuild the engine from scratch")
+        self.html = widgets.HTML()
+        widgets.link((self.speed, "value"), (self.play, "interval"))
+        self.step_button.on_click(lambda _: self.step())
+        self.reset_button.on_click(lambda _: self.reset())
+        self.play.observe(self._on_play, names="value")
+
+        controls = widgets.HBox([self.step_button, self.play, self.speed, self.reset_button])
+        super().__init__([controls, self.html])
+        self.add_class("kvlab-block-map-widget")
+        self.reset()
+
+    @property
+    def done(self) -> bool:
+        """Whether the engine has nothing left to run."""
+        return self.last_snapshot is None or bool(self.last_snapshot.get("done"))
+
+    def can_step(self) -> bool:
+        """Whether Step would run: an engine exists, it has work left, and it has not raised."""
+        return self.engine is not None and self.error is None and not self.done
+
+    def snapshot(self) -> dict | None:
+        """The snapshot currently drawn."""
+        return self.last_snapshot
+
+    def summary(self) -> str:
+        """The counters as one line of text, e.g. `kvlab-block-map step=3 used=7 free=25 tokens=98`."""
+        if self.last_snapshot is None:
+            return f"kvlab-block-map no engine: {self.error}"
+        c = _counters(self.last_snapshot)
+        return (f"kvlab-block-map step={c['step']} used={c['used_blocks']} free={c['free_blocks']}"
+                f" tokens={c['tokens_stored']}")
+
+    def step(self) -> list | None:
+        """Run one engine step and redraw; returns the finished ids, or None when it did not run."""
+        if not self.can_step():
+            return None
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            # The engine may be half-way through a step: freeze it until Reset rather than keep going.
+            step = self.last_snapshot.get("step", "?")
+            self.error = f"step {step} failed: {type(exc).__name__}: {exc}\nPress Reset to start over."
+            finished = None
+        self.refresh()
+        return finished
+
+    def reset(self) -> None:
+        """Stop playing and rebuild the engine with the factory, back at step 0."""
+        self._resetting = True
+        try:
+            self.play.playing = False
+            self.play.value = 0
+        finally:
+            self._resetting = False
+        self.error = None
+        try:
+            self.engine = self._make_engine()
+        except Exception as exc:
+            self.engine = None
+            self.error = f"building the engine failed: {type(exc).__name__}: {exc}"
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw from the engine's current state and enable only the controls that can act."""
+        snap = None
+        if self.engine is not None:
+            try:
+                snap = self.snapshot_fn(self.engine)
+            except Exception as exc:
+                self.error = self.error or f"reading the engine failed: {type(exc).__name__}: {exc}"
+        self.last_snapshot = snap
+        self.html.value = render_html(snap, self.decode, self.title, self.error, self.columns)
+        runnable = self.can_step()
+        self.step_button.disabled = not runnable
+        self.play.disabled = not runnable
+        if not runnable:
+            self.play.playing = False
+
+    def _on_play(self, change) -> None:
+        # Play counts up in the browser; each increment is one step. Ignore the rewind done by reset.
+        if self._resetting or change["new"] <= change["old"]:
+            return
+        self.step()
+        if not self.can_step():
+            self.play.playing = False
