@@ -3,6 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+
+# The widget test drives JupyterLab in Debian's Chromium (never a browser downloaded by Playwright).
+if [ ! -x /usr/bin/chromium ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "kvlab test: installing Debian's chromium for the browser test"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "kvlab test: /usr/bin/chromium is missing; the browser test will be skipped (install Debian's chromium as root)"
+    fi
+fi
+
 export PATH="$PWD/.venv/bin:$PATH"   # nbgrader's gradebook shells out to alembic from the venv
 export HF_HUB_OFFLINE=1              # tests use local models only
 exec .venv/bin/python -m pytest "$@"
