@@ -16,4 +16,7 @@ fi
 
 export PATH="$PWD/.venv/bin:$PATH"   # nbgrader's gradebook shells out to alembic from the venv
 export HF_HUB_OFFLINE=1              # tests use local models only
+# Notebook kernels, JupyterLab and Chromium share two cores with pytest: one torch thread per
+# process avoids spin-waiting threads that slow the tiny models' steps 30-40x.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest "$@"

@@ -8,6 +8,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
+# The course's models are tiny: a second thread buys nothing, and two threads that spin-wait
+# while another process holds a core make a decode step 30-40x slower on a 2-core machine.
+torch.set_num_threads(1)
+
 from kvlab.paths import DEFAULT_MODEL_DIR
 
 FAMILIES = {
