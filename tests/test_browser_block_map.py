@@ -121,6 +121,11 @@ class JupyterLab:
         notification = workdir / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
         notification.parent.mkdir(parents=True)
         notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}))
+        # Render every cell: JupyterLab's default windowing drops off-screen cells from the DOM, so
+        # the prompts this test reads would vanish once Run All scrolls the notebook.
+        tracker = workdir / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+        tracker.parent.mkdir(parents=True)
+        tracker.write_text(json.dumps({"windowingMode": "none"}))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -226,8 +231,7 @@ def _run_all(page, server: JupyterLab, rel_path: str) -> None:
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
         started = time.monotonic()
         while time.monotonic() - started < 10:
-            first = (_prompts(page) or [""])[0]
-            if re.fullmatch(r"\[(\*|\d+)\]:", first):
+            if any(re.fullmatch(r"\[(\*|\d+)\]:", p) for p in _prompts(page)):
                 return
             time.sleep(0.2)
     raise AssertionError(f"Run All did not start after 3 tries; prompts: {_prompts(page)}")
@@ -236,7 +240,7 @@ def _run_all(page, server: JupyterLab, rel_path: str) -> None:
 def _wait_until_executed(page) -> dict:
     """Wait until no cell is queued or running; return the notebook (with outputs) as JupyterLab holds it."""
     deadline = time.monotonic() + RUN_ALL_S
-    while any(p == "[*]:" for p in _prompts(page)):
+    while any(p == "[*]:" for p in _prompts(page)) or not any(p for p in _prompts(page)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"cells still running after {RUN_ALL_S} s: {_prompts(page)}")
         time.sleep(0.25)
