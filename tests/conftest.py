@@ -1,6 +1,8 @@
 """Shared fixtures: the embedded model, and tiny random models of each supported family saved locally."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never fetch from a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,3 +56,11 @@ def tiny_model_dirs(tmp_path_factory):
         make_tiny_model(family).save_pretrained(path)
         dirs[family] = path
     return dirs
+
+
+def load_release_tool():
+    """tools/release.py as a module (it is a script, not part of the kvlab package)."""
+    spec = importlib.util.spec_from_file_location("kvlab_release_tool", Path(__file__).resolve().parents[1] / "tools" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -9,7 +9,6 @@ The per-cell time limit is 30 s here (KVLAB_TEST_CELL_TIMEOUT=60 to change it), 
 submission with an infinite loop costs only that.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_release_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kvlab_release_tool", ROOT / "tools" / "release.py")
-release = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(release)
+release = load_release_tool()
 
 ASSIGNMENTS = release.assignments(ROOT)
 per_assignment = pytest.mark.parametrize("name", ASSIGNMENTS, ids=ASSIGNMENTS)

@@ -4,7 +4,6 @@ Every test runs once per assignment folder solutions/<name>/; with no assignment
 skipped. Fix almost any failure here with `python tools/release.py`, then commit both folders.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -13,10 +12,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from conftest import load_release_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kvlab_release_tool", ROOT / "tools" / "release.py")
-release = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(release)
+release = load_release_tool()
 
 ASSIGNMENTS = release.assignments(ROOT)
 per_assignment = pytest.mark.parametrize("name", ASSIGNMENTS, ids=ASSIGNMENTS)
