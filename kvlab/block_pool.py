@@ -1,0 +1,199 @@
+"""Chapter 4's block pool: every KV block exists from the start, with a reference count and maybe a hash.
+
+A block is in exactly one of three states:
+
+* used: ref_cnt > 0, held by that many requests (several when they share a cached prefix);
+* free and cached: ref_cnt == 0 but it still holds the K/V of a full block, findable by its hash;
+* free and empty: ref_cnt == 0 and no hash.
+
+Free blocks (cached or not) wait in one queue ordered by when they were freed. A new block is taken
+from the front, so the block freed longest ago is reused (and its cached contents evicted) first:
+LRU eviction without any timestamps. A cache hit on a free block takes it out of the middle of the
+queue, which is why the queue is a doubly linked list rather than a deque.
+"""
+
+from collections.abc import Hashable, Iterable, Iterator
+
+
+class KVCacheBlock:
+    """One physical block: its id, how many requests hold it, its hash when full and cached, and its queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Hashable | None = None
+        # Links are only meaningful while the block sits in the free queue.
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = "" if self.block_hash is None else ", cached"
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks in eviction order, as a doubly linked list: O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()):
+        # Two sentinels spare every operation the "is this the first/last block?" special cases.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free_block
+        while block is not self._tail:
+            yield block
+            block = block.next_free_block
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the block freed longest ago."""
+        if self.num_free_blocks == 0:
+            raise MemoryError("the free block queue is empty")
+        block = self._head.next_free_block
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the back: it will be reused last."""
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free_block
+        block.prev_free_block, block.next_free_block = last, self._tail
+        last.next_free_block = block
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue (a cache hit on a free block)."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block, nxt.prev_free_block = nxt, prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def block_ids(self) -> list[int]:
+        """The free blocks' ids, next to be reused first (O(n): for tests and widgets)."""
+        return [block.block_id for block in self]
+
+
+class BlockPool:
+    """All num_blocks KV blocks, a free queue in LRU order, and (with prefix caching) a hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # One block per hash: a second block filled with the same prefix simply stays uncached.
+        self.cached_block_hash_to_block: dict[Hashable, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0, cached or not: all of them can be handed out."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one request."""
+        return self.num_blocks - self.num_free_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether get_new_blocks(num_blocks) would succeed (changes nothing)."""
+        return 0 <= num_blocks <= self.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take num_blocks blocks from the front of the free queue, evicting any cached contents; ref_cnt becomes 1."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        if num_blocks > self.num_free_blocks:
+            raise MemoryError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        # The block's K/V are about to be overwritten: it must no longer answer to its old hash.
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def _check_owned(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks or self.blocks[block_id] is not block:
+                raise ValueError(f"{block!r} does not belong to this pool of {self.num_blocks} blocks")
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference to each block; blocks nobody holds go to the back of the free queue, in the given order."""
+        blocks = list(blocks)
+        self._check_owned(blocks)
+        # A block may appear twice in one call: it needs that many references left.
+        counts: dict[int, int] = {}
+        for block in blocks:
+            counts[block.block_id] = counts.get(block.block_id, 0) + 1
+            if counts[block.block_id] > block.ref_cnt:
+                raise ValueError(f"double free: block {block.block_id} has ref_cnt {block.ref_cnt}, "
+                                 f"freed {counts[block.block_id]} times")
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference to each block (a cache hit); a free cached block leaves the free queue."""
+        blocks = list(blocks)
+        self._check_owned(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is None:
+                raise ValueError(f"block {block.block_id} is free and holds no cached contents: nothing to share")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable]) -> int:
+        """Record the hashes of blocks that just became full; returns how many were newly cached."""
+        blocks = list(blocks)
+        if len(blocks) != len(block_hashes):
+            raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
+        self._check_owned(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                raise ValueError(f"block {block.block_id} is free: only a block a request holds can be cached")
+        if not self.enable_prefix_caching:
+            return 0
+        cached = 0
+        for block, block_hash in zip(blocks, block_hashes):
+            if block_hash is None:
+                raise ValueError(f"block {block.block_id} is given no hash")
+            if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+                cached += 1
+        return cached
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
+        """The block holding the K/V of this hash's block, or None (a miss)."""
+        if not self.enable_prefix_caching:
+            return None
+        return self.cached_block_hash_to_block.get(block_hash)
