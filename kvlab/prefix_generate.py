@@ -34,6 +34,8 @@ class PrefixCachingGenerator(PagedGenerator):
         self.finished = []
         self.step_count = 0
         self.prefill_tokens_fed = 0  # prompt tokens that actually went through the model
+        self.num_cached_tokens: dict[int, int] = {}  # seq id -> prompt tokens served from the cache at admission
+        self.last_hit_blocks: set[int] = set()  # block ids that were prefix-cache hits in the last step
 
     def step(self) -> list[int]:
         """One forward pass for every running sequence; returns the ids of sequences that finished."""
@@ -41,6 +43,7 @@ class PrefixCachingGenerator(PagedGenerator):
         joining = [s for s in self.waiting if s.arrival_step <= self.step_count]
         batch = self.running + joining
         self.step_count += 1
+        self.last_hit_blocks = set()
         if not batch:
             return []
         # An upper bound that ignores hits: a joining request never takes more blocks from the free queue
@@ -53,6 +56,8 @@ class PrefixCachingGenerator(PagedGenerator):
         for s in batch:
             if s in joining:
                 hits, num_cached = manager.get_computed_blocks(s.seq_id, s.prompt_ids)
+                self.num_cached_tokens[s.seq_id] = num_cached
+                self.last_hit_blocks.update(b.block_id for b in hits)
                 new_ids = s.prompt_ids[num_cached:]
                 start = num_cached
                 slots += manager.allocate_slots(s.seq_id, len(new_ids), hits, new_token_ids=new_ids)
@@ -81,3 +86,77 @@ class PrefixCachingGenerator(PagedGenerator):
                 done.append(seq.seq_id)
         self.running = [s for s in batch if not s.finished]
         return done
+
+
+    def snapshot(self) -> dict:
+        """The pool and block tables as the block-map widget's plain data (see kvlab.widgets.block_map).
+
+        Shared blocks list every request holding them, free blocks that keep a hash are `cached`, and
+        blocks hit by a request admitted in the last step carry `hit`. O(blocks + block-table entries).
+        """
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        size = self.block_size
+        blocks = []
+        for block in pool.blocks:
+            cached = block.block_hash is not None and block.ref_cnt == 0
+            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
+                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+            if block.block_hash is not None:
+                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
+                entry["note"] = f"hash {digest[:4]}…"
+            if block.block_id in self.last_hit_blocks:
+                entry["hit"] = True
+            blocks.append(entry)
+        # req_to_blocks is in admission order, so the first owner listed is the first request that held the block.
+        for rid, table in manager.req_to_blocks.items():
+            stored = manager.num_tokens[rid]
+            for logical, block in enumerate(table):
+                entry = blocks[block.block_id]
+                if entry["owner"] is None:
+                    entry.update(owner=rid, logical=logical)
+                entry["owners"].append(rid)
+                entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
+        running = {s.seq_id for s in self.running}
+        finished = {s.seq_id for s in self.finished}
+        sequences = []
+        for seq_id in sorted(self.sequences):
+            seq = self.sequences[seq_id]
+            status = "finished" if seq_id in finished else "running" if seq_id in running else "waiting"
+            sequences.append({
+                "id": seq_id,
+                "status": status,
+                "block_table": [b.block_id for b in manager.req_to_blocks.get(seq_id, [])],
+                "tokens_stored": manager.num_tokens.get(seq_id, 0),
+                "prompt_ids": list(seq.prompt_ids),
+                "output_ids": list(seq.output_ids),
+                "arrival_step": seq.arrival_step,
+                "num_cached_tokens": self.num_cached_tokens.get(seq_id),  # None until admitted
+            })
+        used = [b for b in blocks if b["owners"]]
+        tokens = sum(b["fill"] for b in used)
+        slots = len(used) * size
+        counters = {
+            "step": self.step_count,
+            "num_blocks": len(blocks),
+            "used_blocks": len(used),
+            "free_blocks": len(blocks) - len(used),  # cached blocks count as free: they can be handed out
+            "tokens_stored": tokens,
+            "slot_utilization": tokens / slots if slots else 0.0,
+            "extra": {
+                "prefix hits (tokens)": manager.hits,
+                "hit rate": f"{manager.hit_rate:.0%}",
+                "prefill tokens saved": manager.prefill_tokens_saved,
+                "cached free blocks": sum(b["cached"] for b in blocks),
+                "evictions": pool.num_evictions,
+            },
+        }
+        return {
+            "block_size": size,
+            "num_blocks": len(blocks),
+            "step": self.step_count,
+            "done": not self.has_unfinished(),
+            "blocks": blocks,
+            "sequences": sequences,
+            "counters": counters,
+        }

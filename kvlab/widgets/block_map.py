@@ -11,12 +11,14 @@ The drawing never reads an engine directly. `snapshot(engine)` turns the engine 
          "owners": [1, 2],              # every sequence whose table holds the block (shared prefix)
          "ref_count": 2,                # drawn as a badge when above 1
          "cached": True,                # free but still holding reusable K/V (drawn hatched)
+         "hit": True,                   # a prefix-cache hit in the last step (drawn with a thick outline)
          "note": "any extra hover text"},
         ...],
       "sequences": [
         {"id": 1, "status": "running",  # "waiting" / "running" / "finished" or an engine's own word
          "block_table": [5, 9], "tokens_stored": 20, "prompt_ids": [...], "output_ids": [...],
          "arrival_step": 0,             # optional
+         "num_cached_tokens": 8,        # optional: prompt tokens served from the prefix cache at admission
          "prompt_text": "...", "output_text": "..."},  # optional: else decode(ids) is used
         ...],
       "counters": {...},                # optional: counters_for(blocks, block_size, step) fills it in
@@ -35,6 +37,7 @@ import ipywidgets as widgets
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
 FREE_COLOUR = "#e8e8e8"
 FREE_FILL_COLOUR = "#9e9e9e"  # content kept by a cached-but-free block
+HIT_OUTLINE = "2px solid #000"  # a block hit by the prefix cache in the last step
 CELL_PX = 36
 PLAY_MAX = 10**6  # Play counts up to this; the widget stops it when the engine is done
 
@@ -145,6 +148,10 @@ def _block_html(block: dict, block_size: int) -> str:
         hover += f"; ref count {ref_count}"
     if block.get("note"):
         hover += f"; {block['note']}"
+    hit = bool(block.get("hit"))
+    if hit:
+        hover += "; prefix-cache hit in the last step"
+    outline = f"outline:{HIT_OUTLINE};outline-offset:1px;" if hit else ""
     height = round(100 * min(fill, block_size) / block_size)
     owner_label = "" if not owners else (f"s{owners[0]}" if len(owners) == 1 else f"s{owners[0]}+")
     badge = (f'<span style="position:absolute;right:1px;top:1px;font-size:9px;background:#222;color:#fff;'
@@ -153,8 +160,8 @@ def _block_html(block: dict, block_size: int) -> str:
     return (
         f'<div class="kvlab-block" data-block="{_attr(block["id"])}" data-owner="{_attr(owners[0] if owners else None)}"'
         f' data-owners="{_esc(" ".join(map(str, owners)))}" data-fill="{fill}" data-cached="{int(cached)}"'
-        f' data-ref-count="{_attr(ref_count)}" title="{_esc(hover)}"'
-        f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;border:{border};'
+        f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" title="{_esc(hover)}"'
+        f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;border:{border};{outline}'
         f'border-radius:4px;background:{background};overflow:hidden;font:10px/1.1 monospace;color:#111">'
         f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;background:{bar}"></div>'
         f'<span style="{label_style};width:max-content">{_esc(block["id"])}</span>'
@@ -197,6 +204,9 @@ def _sequence_html(seq: dict, blocks_by_id: dict, decode: Callable | None) -> st
         cells.append('<span style="color:#777;font-size:11px">'
                      + ("blocks returned to the pool" if status == "finished" else "no blocks yet") + "</span>")
     detail = f"{seq.get('tokens_stored', 0)} tokens cached"
+    num_cached = seq.get("num_cached_tokens")
+    if num_cached is not None and status != "waiting":
+        detail += f" · prefix-cache hit: {num_cached} of {len(seq.get('prompt_ids', []))} prompt tokens"
     if status == "waiting" and seq.get("arrival_step") is not None:
         detail = f"arrives at step {seq['arrival_step']}"
     prompt = _clip(_text(seq, "prompt", decode), 80, keep_end=True)
@@ -205,7 +215,7 @@ def _sequence_html(seq: dict, blocks_by_id: dict, decode: Callable | None) -> st
         output = " " + output  # token ids: keep the last prompt id and the first new one apart
     return (
         f'<div class="kvlab-seq" data-seq="{_attr(seq["id"])}" data-status="{_esc(status)}"'
-        f' data-blocks="{len(table)}" style="margin:0 0 6px 0;padding:3px 6px;border-left:6px solid {colour}">'
+        f' data-blocks="{len(table)}" data-cached-tokens="{_attr(num_cached)}" style="margin:0 0 6px 0;padding:3px 6px;border-left:6px solid {colour}">'
         f'<div style="font-size:12px"><b>seq {_esc(seq["id"])}</b> · <i>{_esc(status)}</i> · {_esc(detail)}</div>'
         f'<div>{"".join(cells)}</div>'
         f'<div class="kvlab-text" style="font:11px monospace;white-space:pre-wrap;max-width:420px">'
@@ -221,6 +231,21 @@ def _counters_html(c: dict) -> str:
     return (f'<div class="kvlab-counters" data-step="{c["step"]}" data-used="{c["used_blocks"]}"'
             f' data-free="{c["free_blocks"]}" data-tokens="{c["tokens_stored"]}"'
             f' style="font:12px monospace;margin:4px 0 8px 0">{_esc(text)}</div>')
+
+
+def _legend_html(blocks: list[dict], width_px: int) -> str:
+    # Only snapshots that use the sharing fields (Chapter 4 on) get this second legend line.
+    if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit")):
+        return ""
+    swatch = "display:inline-block;width:10px;height:10px;vertical-align:middle;margin:0 2px 0 0;box-sizing:border-box"
+    cached = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 2px, #a0a0a0 2px 3px)"
+    return (
+        f'<div class="kvlab-legend" style="font-size:11px;color:#555;margin-top:2px;max-width:{width_px}px">'
+        f'<span style="{swatch};background:{cached};border:1px dashed #777"></span>hatched = free but cached (reusable K/V)'
+        f' · <span style="font-size:9px;background:#222;color:#fff;border-radius:3px;padding:0 2px">×2</span>'
+        f' = ref count (shared) · <span style="{swatch};outline:{HIT_OUTLINE};outline-offset:1px;margin-left:2px;'
+        f'margin-right:4px"></span>outline = prefix-cache hit in the last step</div>'
+    )
 
 
 def render_html(snap: dict | None, decode: Callable | None = None, title: str = "", error: str | None = None,
@@ -244,7 +269,8 @@ def render_html(snap: dict | None, decode: Callable | None = None, title: str = 
             f'<div><div style="font-size:12px;margin-bottom:3px">physical block pool ({size} token slots per block)</div>'
             f'<div class="kvlab-pool" style="display:grid;grid-template-columns:repeat({columns},{CELL_PX}px);gap:3px">'
             f'{grid}</div><div style="font-size:11px;color:#555;margin-top:3px;max-width:{columns * (CELL_PX + 3)}px">'
-            f'bar height = slots holding tokens · grey = free · hover a block for details</div></div>'
+            f'bar height = slots holding tokens · grey = free · hover a block for details</div>'
+            f'{_legend_html(blocks, columns * (CELL_PX + 3))}</div>'
             f'<div class="kvlab-seqs" style="min-width:260px"><div style="font-size:12px;margin-bottom:3px">'
             f'block tables (logical → physical)</div>{seqs}</div></div>',
         ]
