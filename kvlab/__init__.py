@@ -6,6 +6,8 @@ The modules follow the chapters:
   Chapter 2  contiguous (first-fit arena, Max/Pow2/Oracle reservations), traces, memory_sim
   Chapter 3  paging (block tables, slot mapping, BlockManager), paged_cache (K/V pools, gather
              attention), paged_generate (several sequences on one pool), widgets (the block map)
+  Chapter 4  block_pool (ref counts, LRU free queue), prefix_cache (block-hash chain),
+             kv_cache_manager (per-request blocks and cache hits), prefix_generate, chat_prompts
 """
 
 __version__ = "0.1.0"
