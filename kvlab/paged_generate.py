@@ -100,6 +100,24 @@ class PagedGenerator:
         self.running = [s for s in batch if not s.finished]
         return done
 
+    def sequence_views(self, block_tables: dict, num_tokens: dict) -> list[dict]:
+        """Each sequence's status, block table and tokens as plain data, by id (for the block map)."""
+        running = {s.seq_id for s in self.running}
+        finished = {s.seq_id for s in self.finished}
+        views = []
+        for seq_id in sorted(self.sequences):
+            seq = self.sequences[seq_id]
+            views.append({
+                "id": seq_id,
+                "status": "finished" if seq_id in finished else "running" if seq_id in running else "waiting",
+                "block_table": list(block_tables.get(seq_id, [])),
+                "tokens_stored": num_tokens.get(seq_id, 0),
+                "prompt_ids": list(seq.prompt_ids),
+                "output_ids": list(seq.output_ids),
+                "arrival_step": seq.arrival_step,
+            })
+        return views
+
     def run(self) -> list[list[int]]:
         """Step until every sequence is done; returns each sequence's new tokens, by sequence id."""
         while self.has_unfinished():

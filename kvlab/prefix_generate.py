@@ -117,22 +117,9 @@ class PrefixCachingGenerator(PagedGenerator):
                     entry.update(owner=rid, logical=logical)
                 entry["owners"].append(rid)
                 entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
-        running = {s.seq_id for s in self.running}
-        finished = {s.seq_id for s in self.finished}
-        sequences = []
-        for seq_id in sorted(self.sequences):
-            seq = self.sequences[seq_id]
-            status = "finished" if seq_id in finished else "running" if seq_id in running else "waiting"
-            sequences.append({
-                "id": seq_id,
-                "status": status,
-                "block_table": [b.block_id for b in manager.req_to_blocks.get(seq_id, [])],
-                "tokens_stored": manager.num_tokens.get(seq_id, 0),
-                "prompt_ids": list(seq.prompt_ids),
-                "output_ids": list(seq.output_ids),
-                "arrival_step": seq.arrival_step,
-                "num_cached_tokens": self.num_cached_tokens.get(seq_id),  # None until admitted
-            })
+        sequences = self.sequence_views(manager.block_tables, manager.num_tokens)
+        for view in sequences:
+            view["num_cached_tokens"] = self.num_cached_tokens.get(view["id"])  # None until admitted
         used = [b for b in blocks if b["owners"]]
         tokens = sum(b["fill"] for b in used)
         slots = len(used) * size

@@ -74,21 +74,7 @@ def snapshot(engine) -> dict:
         stored = manager.num_tokens[seq_id]
         for logical, block in enumerate(table):
             blocks[block].update(owner=seq_id, fill=min(size, stored - logical * size), logical=logical)
-    running = {s.seq_id for s in engine.running}
-    finished = {s.seq_id for s in engine.finished}
-    sequences = []
-    for seq_id in sorted(engine.sequences):
-        seq = engine.sequences[seq_id]
-        status = "finished" if seq_id in finished else "running" if seq_id in running else "waiting"
-        sequences.append({
-            "id": seq_id,
-            "status": status,
-            "block_table": list(manager.block_tables.get(seq_id, [])),
-            "tokens_stored": manager.num_tokens.get(seq_id, 0),
-            "prompt_ids": list(seq.prompt_ids),
-            "output_ids": list(seq.output_ids),
-            "arrival_step": seq.arrival_step,
-        })
+    sequences = engine.sequence_views(manager.block_tables, manager.num_tokens)
     return {
         "block_size": size,
         "num_blocks": manager.num_blocks,
