@@ -87,7 +87,6 @@ class PrefixCachingGenerator(PagedGenerator):
         self.running = [s for s in batch if not s.finished]
         return done
 
-
     def snapshot(self) -> dict:
         """The pool and block tables as the block-map widget's plain data (see kvlab.widgets.block_map).
 
