@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/jupyter lab notebooks/01_kv_cache/01_kv_cache.ipynb "$@"
+# Serve the whole course (all chapters in the file browser), opened on Chapter 1.
+exec .venv/bin/jupyter lab --ServerApp.root_dir="$PWD" notebooks/01_kv_cache/01_kv_cache.ipynb "$@"
