@@ -8,6 +8,8 @@ The modules follow the chapters:
              attention), paged_generate (several sequences on one pool), widgets (the block map)
   Chapter 4  block_pool (ref counts, LRU free queue), prefix_cache (block-hash chain),
              kv_cache_manager (per-request blocks and cache hits), prefix_generate, chat_prompts
+  Chapter 5  fork (fork and copy-on-write over the block pool), beam_search (equal to transformers'
+             beam search), parallel_sampling (n samples sharing one prefill)
 """
 
 __version__ = "0.1.0"
