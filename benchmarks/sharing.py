@@ -1,29 +1,31 @@
 """Chapter 5's sharing: how many KV blocks do forked sequences save, beside Kwon et al. (SOSP 2023, §6.3)?
 
-For a few prompts of the embedded model (block size 16, contexts under 256 tokens) it prints:
+The workload is the shipped chat trace (assets/traces/chat.csv, ShareGPT-like lengths): its first
+REQUESTS requests, each scaled to the embedded model's 256-token context with its prompt-to-output
+ratio kept (prompt + output <= 240 tokens), with prompts cut from the shipped Shakespeare text. For
+each request, with block size 16, it measures:
 
 (a) parallel sampling, n = 2, 4, 6 (kvlab.parallel_sampling.sample_n): distinct blocks the n samples
-    hold at the end with copy-on-write sharing, against n sequences each owning its own copy, the
-    share of memory saved and the copy-on-write block copies;
+    hold at the end with copy-on-write sharing, against n sequences each owning its own copy;
 (b) beam search, widths 2, 4, 8 (kvlab.beam_search.beam_search, its `stats` dict): peak used blocks
     with sharing against k beams of the final length each owning its blocks;
-(c) vLLM V1's strategy for the same parallel-sampling case: n separate requests whose prompt is
-    shared through prefix caching (kvlab.kv_cache_manager.KVCacheManager replayed with the samples'
-    tokens, as PrefixCachingGenerator calls it): blocks held, block copies (none) and prompt tokens
-    recomputed because only full blocks are cached and the last prompt token is always recomputed.
+(c) vLLM V1's strategy for the parallel-sampling case: n separate requests whose prompt is shared
+    through prefix caching (kvlab.kv_cache_manager.KVCacheManager replayed with the samples' tokens):
+    blocks held, block copies (none) and prompt tokens recomputed because only full blocks are cached
+    and the last prompt token is always recomputed.
 
-The paper's figures (memory saved by sharing): parallel sampling 6.1-9.8 % and beam search
-37.6-55.2 % on the Alpaca trace; 16.2-30.5 % and 44.3-66.3 % on ShareGPT. The share saved grows with
-the prompt's part of each sequence: these prompts (89-171 tokens) are long beside their 32-48 new
-tokens, so sharing saves more here than on the paper's traces, whose outputs are longer.
+Each row sums blocks over the whole trace (the share saved on the trace) and gives the range of the
+per-request shares. The paper's figures (memory saved by sharing): parallel sampling 6.1-9.8 % and
+beam search 37.6-55.2 % on the Alpaca trace; 16.2-30.5 % and 44.3-66.3 % on ShareGPT.
 
-Run from the repository root (about 10-30 seconds on a CPU)::
+Run from the repository root (2-3 minutes on a 2-core CPU)::
 
-    OMP_NUM_THREADS=1 python benchmarks/sharing.py
+    OMP_NUM_THREADS=1 python benchmarks/sharing.py [--requests 24]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -31,23 +33,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
+from tqdm import tqdm  # noqa: E402
+
 from kvlab import load_model  # noqa: E402
 from kvlab.beam_search import beam_search  # noqa: E402
 from kvlab.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvlab.parallel_sampling import sample_n  # noqa: E402
+from kvlab.paths import ASSETS_DIR  # noqa: E402
+from kvlab.traces import load_trace  # noqa: E402
 
 BLOCK_SIZE = 16
-PROMPTS = [
-    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
-    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
-    "Now is the winter of our discontent made glorious summer by this sun of York; and all the "
-    "clouds that lour'd upon our house in the deep bosom of the ocean buried.",
-    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
-]
-SAMPLE_TOKENS = 48
-BEAM_TOKENS = 32
+MAX_TOKENS = 240  # prompt + output of a scaled request: fits the embedded model's 256-token context
+REQUESTS = 24
 PAPER = {"parallel sampling": "6.1-9.8 % (Alpaca), 16.2-30.5 % (ShareGPT)",
          "beam search": "37.6-55.2 % (Alpaca), 44.3-66.3 % (ShareGPT)"}
+
+
+def scaled_requests(count: int, tokenizer) -> list[tuple[list[int], int, int, int]]:
+    """(prompt ids, output tokens, original prompt len, original output len) for the trace's first `count` requests."""
+    text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text()
+    rows = []
+    for req in load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count]:
+        scale = min(1.0, MAX_TOKENS / (req.prompt_len + req.output_len))
+        prompt_len = max(1, round(req.prompt_len * scale))
+        output_len = max(1, min(MAX_TOKENS - prompt_len, round(req.output_len * scale)))
+        start = (req.request_id * 7919) % (len(text) - 2 * MAX_TOKENS)
+        prompt = tokenizer(text[start:start + 2 * MAX_TOKENS])["input_ids"][:prompt_len]
+        rows.append((prompt, output_len, req.prompt_len, req.output_len))
+    return rows
 
 
 def v1_separate_requests(prompt, outputs, block_size=BLOCK_SIZE):
@@ -71,35 +84,55 @@ def v1_separate_requests(prompt, outputs, block_size=BLOCK_SIZE):
     return len(held), 0, fed - P
 
 
+def saved(shared: int, own: int) -> float:
+    return 1 - shared / own
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="how many trace requests to run")
+    args = parser.parse_args()
     start = time.perf_counter()
     model, tokenizer = load_model()
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    print(f"block size {BLOCK_SIZE}; prompt lengths {[len(p) for p in prompts]} tokens; "
-          f"{SAMPLE_TOKENS} sampled / up to {BEAM_TOKENS} beam-search tokens\n")
+    rows = scaled_requests(args.requests, tokenizer)
+    prompt_share = sum(len(p) for p, *_ in rows) / sum(len(p) + o for p, o, *_ in rows)
+    orig_share = sum(op for *_, op, _ in rows) / sum(op + oo for *_, op, oo in rows)
+    print(f"{len(rows)} requests of {ASSETS_DIR.name}/traces/chat.csv, block size {BLOCK_SIZE}; scaled to <= {MAX_TOKENS}"
+          f" tokens each; prompts are {prompt_share:.0%} of all tokens (unscaled trace: {orig_share:.0%})\n")
+
+    table = {}
+    for n in (2, 4, 6):
+        sums = [0, 0, 0, 0, 0]
+        per = []
+        for prompt, out_len, *_ in tqdm(rows, desc=f"parallel sampling n={n}", leave=False):
+            r = sample_n(model, prompt, n, out_len, seed=0, block_size=BLOCK_SIZE)
+            v1_blocks, _, recomputed = v1_separate_requests(prompt, r.outputs)
+            for i, v in enumerate((r.blocks_with_sharing, r.blocks_without_sharing, r.copies, v1_blocks, recomputed)):
+                sums[i] += v
+            per.append(saved(r.blocks_with_sharing, r.blocks_without_sharing))
+        table[("sampling", n)] = (sums, per)
+    for k in (2, 4, 8):
+        sums = [0, 0, 0]
+        per = []
+        for prompt, out_len, *_ in tqdm(rows, desc=f"beam search k={k}", leave=False):
+            stats = {}
+            beam_search(model, prompt, k, out_len, stats=stats, block_size=BLOCK_SIZE)
+            for i, v in enumerate((stats["peak_used_blocks"], stats["blocks_without_sharing"], stats["copies"])):
+                sums[i] += v
+            per.append(saved(stats["peak_used_blocks"], stats["blocks_without_sharing"]))
+        table[("beam", k)] = (sums, per)
 
     print(f"(a) parallel sampling (temperature 1, seed 0)   paper: {PAPER['parallel sampling']}")
-    print(" prompt   n | blocks shared  own copies  saved | CoW copies | V1 prefix caching: blocks  saved  copies  recomputed")
-    v1_rows = []
-    for p, prompt in enumerate(prompts):
-        for n in (2, 4, 6):
-            r = sample_n(model, prompt, n, SAMPLE_TOKENS, seed=0, block_size=BLOCK_SIZE)
-            v1_blocks, v1_copies, recomputed = v1_separate_requests(prompt, r.outputs)
-            saved = 1 - r.blocks_with_sharing / r.blocks_without_sharing
-            v1_saved = 1 - v1_blocks / r.blocks_without_sharing
-            v1_rows.append(v1_saved)
-            print(f" {p:>6} {n:>3} | {r.blocks_with_sharing:>13} {r.blocks_without_sharing:>11} {saved:>6.1%} |"
-                  f" {r.copies:>10} | {v1_blocks:>24} {v1_saved:>6.1%} {v1_copies:>7} {recomputed:>11}")
-
+    print("   n | blocks shared  own copies  saved (per request) | CoW copies | V1 prefix caching: blocks  saved  recomputed tokens")
+    for n in (2, 4, 6):
+        (shared, own, copies, v1, recomputed), per = table[("sampling", n)]
+        print(f" {n:>3} | {shared:>13} {own:>11} {saved(shared, own):>6.1%} ({min(per):.0%}-{max(per):.0%}) |"
+              f" {copies:>10} | {v1:>24} {saved(v1, own):>6.1%} {recomputed:>18}")
     print(f"\n(b) beam search (length_penalty 1.0)   paper: {PAPER['beam search']}")
-    print(" prompt   k | peak blocks shared  own copies  saved | CoW copies  forks")
-    for p, prompt in enumerate(prompts):
-        for k in (2, 4, 8):
-            stats = {}
-            beam_search(model, prompt, k, BEAM_TOKENS, stats=stats, block_size=BLOCK_SIZE)
-            saved = 1 - stats["peak_used_blocks"] / stats["blocks_without_sharing"]
-            print(f" {p:>6} {k:>3} | {stats['peak_used_blocks']:>18} {stats['blocks_without_sharing']:>11} {saved:>6.1%} |"
-                  f" {stats['copies']:>10} {stats['forks']:>6}")
+    print("   k | peak blocks shared  own copies  saved (per request) | CoW copies")
+    for k in (2, 4, 8):
+        (shared, own, copies), per = table[("beam", k)]
+        print(f" {k:>3} | {shared:>18} {own:>11} {saved(shared, own):>6.1%} ({min(per):.0%}-{max(per):.0%}) | {copies:>10}")
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
 
 

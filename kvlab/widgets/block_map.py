@@ -12,6 +12,7 @@ The drawing never reads an engine directly. `snapshot(engine)` turns the engine 
          "ref_count": 2,                # drawn as a badge when above 1
          "cached": True,                # free but still holding reusable K/V (drawn hatched)
          "hit": True,                   # a prefix-cache hit in the last step (drawn with a thick outline)
+         "copied": True,                # a copy-on-write copy made in the last step (drawn with a red outline)
          "note": "any extra hover text"},
         ...],
       "sequences": [
@@ -38,6 +39,7 @@ PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#C
 FREE_COLOUR = "#e8e8e8"
 FREE_FILL_COLOUR = "#9e9e9e"  # content kept by a cached-but-free block
 HIT_OUTLINE = "2px solid #000"  # a block hit by the prefix cache in the last step
+COPY_OUTLINE = "2px dashed #D55E00"  # a block that received a copy-on-write copy in the last step
 CELL_PX = 36
 PLAY_MAX = 10**6  # Play counts up to this; the widget stops it when the engine is done
 
@@ -137,7 +139,10 @@ def _block_html(block: dict, block_size: int) -> str:
     hit = bool(block.get("hit"))
     if hit:
         hover += "; prefix-cache hit in the last step"
-    outline = f"outline:{HIT_OUTLINE};outline-offset:1px;" if hit else ""
+    copied = bool(block.get("copied"))
+    if copied:
+        hover += "; copy-on-write copy made in the last step"
+    outline = f"outline:{COPY_OUTLINE if copied else HIT_OUTLINE};outline-offset:1px;" if hit or copied else ""
     height = round(100 * min(fill, block_size) / block_size)
     owner_label = "" if not owners else (f"s{owners[0]}" if len(owners) == 1 else f"s{owners[0]}+")
     badge = (f'<span style="position:absolute;right:1px;top:1px;font-size:9px;background:#222;color:#fff;'
@@ -146,7 +151,7 @@ def _block_html(block: dict, block_size: int) -> str:
     return (
         f'<div class="kvlab-block" data-block="{_attr(block["id"])}" data-owner="{_attr(owners[0] if owners else None)}"'
         f' data-owners="{_esc(" ".join(map(str, owners)))}" data-fill="{fill}" data-cached="{int(cached)}"'
-        f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" title="{_esc(hover)}"'
+        f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" data-copied="{int(copied)}" title="{_esc(hover)}"'
         f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;border:{border};{outline}'
         f'border-radius:4px;background:{background};overflow:hidden;font:10px/1.1 monospace;color:#111">'
         f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;background:{bar}"></div>'
@@ -221,7 +226,7 @@ def _counters_html(c: dict) -> str:
 
 def _legend_html(blocks: list[dict], width_px: int) -> str:
     # Only snapshots that use the sharing fields (Chapter 4 on) get this second legend line.
-    if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit")):
+    if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit", "copied")):
         return ""
     swatch = "display:inline-block;width:10px;height:10px;vertical-align:middle;margin:0 2px 0 0;box-sizing:border-box"
     cached = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 2px, #a0a0a0 2px 3px)"
@@ -230,7 +235,9 @@ def _legend_html(blocks: list[dict], width_px: int) -> str:
         f'<span style="{swatch};background:{cached};border:1px dashed #777"></span>hatched = free but cached (reusable K/V)'
         f' · <span style="font-size:9px;background:#222;color:#fff;border-radius:3px;padding:0 2px">×2</span>'
         f' = ref count (shared) · <span style="{swatch};outline:{HIT_OUTLINE};outline-offset:1px;margin-left:2px;'
-        f'margin-right:4px"></span>outline = prefix-cache hit in the last step</div>'
+        f'margin-right:4px"></span>outline = prefix-cache hit in the last step'
+        f' · <span style="{swatch};outline:{COPY_OUTLINE};outline-offset:1px;margin-left:2px;'
+        f'margin-right:4px"></span>dashed red = copy-on-write copy in the last step</div>'
     )
 
 
