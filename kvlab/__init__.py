@@ -10,11 +10,15 @@ The modules follow the chapters:
              kv_cache_manager (per-request blocks and cache hits), prefix_generate, chat_prompts
   Chapter 5  fork (fork and copy-on-write over the block pool), beam_search (equal to transformers'
              beam search), parallel_sampling (n samples sharing one prefill)
+  Chapter 6  sampling_params (SamplingParams, BeamSearchParams), request, sampler, swap (the CPU
+             block pool), scheduler (token budget, chunked prefill, preemption), model_runner (one
+             ragged forward per step), llm_engine (LLMEngine), llm (LLM), static_batching (the
+             baseline), widgets.timeline
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "__version__"]
+__all__ = ["load_model", "LLM", "SamplingParams", "BeamSearchParams", "__version__"]
 
 
 def __getattr__(name):
@@ -23,4 +27,12 @@ def __getattr__(name):
         from .model import load_model
 
         return load_model
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from . import sampling_params
+
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

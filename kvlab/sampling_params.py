@@ -1,0 +1,65 @@
+"""Chapter 6's request parameters, named and defaulted as in vLLM: SamplingParams and BeamSearchParams."""
+
+import math
+from dataclasses import dataclass, field
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each request's next tokens and when to stop.
+
+    temperature 0 means greedy (argmax); top_k 0 or -1 and top_p 1 turn those filters off. A seed
+    makes the request's samples reproducible whatever else shares its batch. n > 1 asks for n
+    completions of the same prompt (vLLM V1 runs them as n requests sharing the prompt's blocks).
+    """
+
+    n: int = 1
+    temperature: float = 1.0      # 0 = greedy; vLLM's default is 1.0 too
+    top_p: float = 1.0            # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
+    max_tokens: int = 16          # new tokens at most (vLLM's default)
+    stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting any of these
+    ignore_eos: bool = False      # keep going past the model's end-of-sequence token
+    seed: int | None = None
+
+    def __post_init__(self):
+        _positive_int("n", self.n)
+        _positive_int("max_tokens", self.max_tokens)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to keep every token, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        stops = list(self.stop_token_ids or [])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = stops
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search as `LLM.beam_search` runs it: beam_width beams, up to max_tokens new tokens."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
+
+    def __post_init__(self):
+        _positive_int("beam_width", self.beam_width)
+        _positive_int("max_tokens", self.max_tokens)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
