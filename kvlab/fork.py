@@ -163,6 +163,7 @@ def copy_blocks(cache, copies) -> None:
     device = cache.k_pools[0].device
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor(dsts, dtype=torch.long, device=device)
-    for pools in (cache.k_pools, cache.v_pools):
+    # A quantized cache keeps a scale per (block, head) beside each pool: the copy must carry it too.
+    for pools in (cache.k_pools, cache.v_pools, getattr(cache, "k_scales", []), getattr(cache, "v_scales", [])):
         for pool in pools:
             pool[dst] = pool[src]
