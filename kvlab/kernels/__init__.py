@@ -1,0 +1,33 @@
+"""Chapter 7: a Triton paged decode-attention kernel, its split-KV variant and a plain-torch reference.
+
+Importing this package on a machine without CUDA switches Triton to its interpreter
+(TRITON_INTERPRET=1, set in paged_attention.py before the kernels are defined) unless the variable is
+already set, so the kernels run on CPU tensors; with CUDA they are compiled for the GPU.
+kvlab.kernels.aot compiles them for a GPU that is not here.
+"""
+
+from .paged_attention import (
+    RUNS_IN_INTERPRETER,
+    PagedDecodeShape,
+    allocate_split_workspace,
+    choose_num_splits,
+    launch_paged_decode,
+    launch_paged_decode_split_kv,
+    paged_attention_decode,
+    paged_attention_decode_split_kv,
+    validate_paged_decode_inputs,
+)
+from .reference import paged_attention_decode_reference
+
+__all__ = [
+    "RUNS_IN_INTERPRETER",
+    "PagedDecodeShape",
+    "allocate_split_workspace",
+    "choose_num_splits",
+    "launch_paged_decode",
+    "launch_paged_decode_split_kv",
+    "paged_attention_decode",
+    "paged_attention_decode_reference",
+    "paged_attention_decode_split_kv",
+    "validate_paged_decode_inputs",
+]

@@ -1,0 +1,489 @@
+"""Chapter 7: paged decode attention as a Triton kernel (one new query token per sequence).
+
+Every sequence's keys and values live in the Chapter 3 pools, [num_blocks, block_size, num_kv_heads,
+head_dim], scattered over physical blocks that its block table names. One program computes one
+(sequence, query head) pair: it walks the sequence TILE positions at a time, finds each position's
+physical slot through the block table (block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE),
+loads those keys and values and folds them into an online softmax (running max, running sum,
+rescaled accumulator), so the scores of the whole sequence never exist at once.
+
+Two kernels compute it:
+  _paged_decode_kernel     one pass over the whole sequence per program (grid: seqs x heads).
+  _paged_decode_split_kernel + _split_reduce_kernel
+                           split-KV ("flash-decoding"): each program covers one range of the
+                           sequence and writes its partial max, sum and accumulator to fp32 scratch;
+                           a small second kernel rescales the partials to a common max and adds them.
+                           With a batch of one and 32 heads the one-pass grid has 32 programs for a
+                           GPU of 132 SMs; splitting a 32k context 17 ways gives each SM about four.
+
+The order follows Triton's tutorials: kernels, then the wrappers that validate and launch them.
+"""
+
+import contextlib
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+# @triton.jit decides, when each decorator runs, whether the kernel is compiled for a GPU or executed by
+# Triton's interpreter on CPU tensors: triton 3.x reads TRITON_INTERPRET (through triton.knobs) at that
+# moment, so it must be set before the decorators below, and setting it later changes nothing for them.
+# Without CUDA a compiled kernel cannot run at all ("0 active drivers"), so on such a machine we pick
+# the interpreter unless the user already chose: TRITON_INTERPRET=0 keeps compiled kernels (what
+# kvlab.kernels.aot needs to compile for a GPU that is not here), TRITON_INTERPRET=1 forces the
+# interpreter even with CUDA. If triton was imported before this line, its own helpers (tl.sum, ...)
+# were built in the other mode: triton_language_as below deals with that.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,             # [num_seqs, num_heads, head_dim] written here, in q's dtype
+    q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
+    k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
+    v_cache_ptr,         # the value pool: same shape and strides as the key pool
+    block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
+    seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool, the new one included
+    scale,               # softmax scale, usually head_dim ** -0.5
+    stride_q_seq,        # elements between two sequences' queries
+    stride_q_head,       # elements between two heads of one query (head_dim itself is contiguous)
+    stride_out_seq,      # elements between two sequences' outputs
+    stride_out_head,     # elements between two heads of one output
+    stride_cache_block,  # elements between two physical blocks of a pool
+    stride_cache_slot,   # elements between two token slots of one block
+    stride_cache_head,   # elements between two KV heads of one slot
+    stride_table_seq,    # elements between two rows of block_tables
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads: query heads that share one KV head (GQA)
+    HEAD_DIM: tl.constexpr,        # real head_dim, e.g. 80
+    HEAD_DIM_PAD: tl.constexpr,    # next power of two (tl.arange needs one), e.g. 128; the rest is masked
+    BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two so // and % are shifts and masks
+    TILE: tl.constexpr,            # positions loaded per loop iteration (may span blocks or part of one)
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // QUERIES_PER_KV  # GQA: consecutive query heads read the same KV head
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    # fp32 right after loading: accumulation precision, and the interpreter's bf16 arithmetic is wrong.
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    # Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)), and exp2 is the GPU's native op.
+    q = q * (scale * 1.4426950408889634)
+
+    m_i = tl.full([], float("-inf"), tl.float32)   # running max of the scores seen so far
+    l_i = tl.full([], 0.0, tl.float32)             # running sum of exp2(score - m_i)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)     # running sum of exp2(score - m_i) * v
+    table_row = block_tables_ptr + seq * stride_table_seq
+    for start in range(0, seq_len, TILE):
+        pos = start + tl.arange(0, TILE)
+        in_seq = pos < seq_len
+        # Only positions inside the sequence look up their block, so table entries past its last block
+        # (stale or garbage) are never read, and neither are the pool slots past seq_len.
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
+        # int64: block * stride_cache_block passes 2**31 in pools over 4 GiB of fp16.
+        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM_PAD]
+        kv_mask = in_seq[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1)                 # [TILE]
+        scores = tl.where(in_seq, scores, float("-inf"))       # padding positions get zero weight
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new max (0 on the first tile)
+        p = tl.exp2(scores - m_new)                            # [TILE]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = acc / l_i  # seq_len >= 1, so l_i >= 1: the maximum's own term is exp2(0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    part_max_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's running max (base 2)
+    part_sum_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's sum of exp2(s - max)
+    part_acc_ptr,        # [num_seqs, num_heads, num_splits, head_dim] fp32 scratch: unnormalised outputs
+    q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
+    k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
+    v_cache_ptr,         # the value pool: same shape and strides as the key pool
+    block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
+    seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool
+    scale,               # softmax scale, usually head_dim ** -0.5
+    tokens_per_split,    # positions each split covers, a multiple of TILE
+    stride_q_seq,        # elements between two sequences' queries
+    stride_q_head,       # elements between two heads of one query
+    stride_cache_block,  # elements between two physical blocks of a pool
+    stride_cache_slot,   # elements between two token slots of one block
+    stride_cache_head,   # elements between two KV heads of one slot
+    stride_table_seq,    # elements between two rows of block_tables
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
+    HEAD_DIM: tl.constexpr,        # real head_dim
+    HEAD_DIM_PAD: tl.constexpr,    # next power of two of HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two
+    TILE: tl.constexpr,            # positions loaded per loop iteration
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = head // QUERIES_PER_KV
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This program's range [split_start, split_end); empty for splits past a short sequence's end.
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    q = q * (scale * 1.4426950408889634)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    table_row = block_tables_ptr + seq * stride_table_seq
+    # The same online softmax as the one-pass kernel, over this split's range only.
+    for start in range(split_start, split_end, TILE):
+        pos = start + tl.arange(0, TILE)
+        in_range = pos < split_end
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]
+        kv_mask = in_range[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.where(in_range, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    # Not normalised: the reduce kernel needs max, sum and accumulator to rescale splits against each
+    # other. Empty splits write nothing; the reduce kernel knows from seq_len which splits exist.
+    has_work = split_start < seq_len
+    part = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split  # row-major [seqs, heads, splits]
+    tl.store(part_max_ptr + part, m_i, mask=has_work)
+    tl.store(part_sum_ptr + part, l_i, mask=has_work)
+    tl.store(part_acc_ptr + part * HEAD_DIM + dims, acc, mask=dim_ok & has_work)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    out_ptr,             # [num_seqs, num_heads, head_dim] written here, in q's dtype
+    part_max_ptr,        # [num_seqs, num_heads, num_splits] fp32: each split's max (base 2)
+    part_sum_ptr,        # [num_seqs, num_heads, num_splits] fp32: each split's sum
+    part_acc_ptr,        # [num_seqs, num_heads, num_splits, head_dim] fp32: each split's accumulator
+    seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence
+    tokens_per_split,    # positions each split covered
+    num_splits,          # splits per (sequence, head) in the scratch buffers
+    stride_out_seq,      # elements between two sequences' outputs
+    stride_out_head,     # elements between two heads of one output
+    HEAD_DIM: tl.constexpr,        # real head_dim
+    HEAD_DIM_PAD: tl.constexpr,    # next power of two of HEAD_DIM
+    NUM_SPLITS_PAD: tl.constexpr,  # next power of two of num_splits
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    splits = tl.arange(0, NUM_SPLITS_PAD)
+    # Splits that saw at least one position; the others wrote nothing, so their scratch is never read.
+    used = splits < tl.cdiv(seq_len, tokens_per_split)
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    m = tl.load(part_max_ptr + part, mask=used, other=float("-inf"))           # [NUM_SPLITS_PAD]
+    s = tl.load(part_sum_ptr + part, mask=used, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=used[:, None] & dim_ok[None, :], other=0.0)             # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
+    m_all = tl.max(m, axis=0)             # split 0 always has work, so this is finite
+    weight = tl.exp2(m - m_all)           # moves each split's sum and accumulator onto the common max; 0 if unused
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * s, axis=0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+# True when the kernels above were built by Triton's interpreter (CPU tensors), False when compiled for a GPU.
+RUNS_IN_INTERPRETER = isinstance(_paged_decode_kernel, InterpretedFunction)
+
+# triton.language's own helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are @triton.jit functions too,
+# built for the interpreter or the compiler when triton is first imported. When another module imported
+# triton before this one switched the interpreter on, they are compiled-mode functions that refuse to run
+# in the interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel"); the other way round,
+# interpreter-mode helpers break an ahead-of-time compile. Their twins of the right kind stand in while
+# our kernels run or compile, and the originals are put back afterwards.
+_TWINS = {}
+
+
+def _twin(helper, interpreted: bool):
+    key = (helper.fn, interpreted)
+    if key not in _TWINS:  # one twin per function, so Triton's identity checks (combine_fn is _sum_combine) hold
+        _TWINS[key] = InterpretedFunction(helper.fn) if interpreted else JITFunction(helper.fn, **helper.kwargs)
+    return _TWINS[key]
+
+
+@contextlib.contextmanager
+def triton_language_as(interpreted: bool):
+    """Within the block, triton.language's @jit helpers are built for the interpreter (True) or the compiler (False)."""
+    wrong = JITFunction if interpreted else InterpretedFunction
+    swapped = []
+    if isinstance(tl.sum, wrong):
+        spaces = [module for name, module in list(sys.modules.items()) if name.startswith("triton.language")]
+        for space in spaces + [tl.core.tensor]:  # tl.core.tensor holds the method forms, x.sum()
+            for name, value in list(vars(space).items()):
+                if isinstance(value, wrong) and value.fn.__module__.startswith("triton.language"):
+                    swapped.append((space, name, value))
+                    setattr(space, name, _twin(value, interpreted))
+    try:
+        yield
+    finally:
+        for space, name, value in reversed(swapped):
+            setattr(space, name, value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrappers: validate, pick the grid, launch
+# ------------------------------------------------------------------------------------------------
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # 256 x a tile of 64 fp32 values is as much as a program should hold
+DEFAULT_TILE = 64                     # positions per loop iteration: 64 x 128 x 2 B = 16 KiB of K per load
+MIN_TOKENS_PER_SPLIT = 256            # shorter splits cost more in scratch traffic than they add in parallelism
+MAX_SPLITS = 64
+
+
+@dataclass(slots=True, frozen=True)
+class PagedDecodeShape:
+    """What validation learned about one call: sizes, the longest sequence and the softmax scale."""
+
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    max_seq_len: int      # longest sequence in the batch (0 for an empty batch)
+    scale: float
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None) -> PagedDecodeShape:
+    """Check a decode call's inputs without launching anything; raise ValueError naming what is wrong.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs].
+    """
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if q.ndim != 3:
+        raise ValueError(f"q must have 3 dims [num_seqs, num_heads, head_dim]; got shape {tuple(q.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim]; "
+                             f"got shape {tuple(cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    devices = {name: t.device for name, t in named}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all inputs must be on one device; got {listed}")
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {_dtype_name(t.dtype)}, which is not supported: "
+                             f"use float32, float16 or bfloat16")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share one dtype; got {_dtype_name(q.dtype)}, "
+                         f"{_dtype_name(k_cache.dtype)} and {_dtype_name(v_cache.dtype)}")
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if head_dim != cache_head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the caches have head_dim {cache_head_dim}")
+    if num_kv_heads < 1 or num_heads < 1:
+        raise ValueError(f"need at least one head; got num_heads {num_heads} and num_kv_heads {num_kv_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}): "
+                         f"every KV head serves the same number of query heads (GQA; MQA is num_kv_heads = 1)")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} is not supported: it must be a power of two (1, 2, 4, ..., 16, ...)")
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported: it must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache and v_cache must have the same strides and a contiguous head_dim; got strides "
+                         f"{k_cache.stride()} and {v_cache.stride()} (call .contiguous() on the pools once)")
+
+    for name, t, dims in (("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]"),
+                          ("seq_lens", seq_lens, "[num_seqs]")):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (what the kernel reads); got {_dtype_name(t.dtype)}")
+        if t.ndim != dims.count(",") + 1 or t.shape[0] != num_seqs:
+            raise ValueError(f"{name} must have shape {dims} with num_seqs = {num_seqs} (q's first dim); "
+                             f"got {tuple(t.shape)}")
+    max_blocks_per_seq = block_tables.shape[1]
+
+    if scale is None:
+        scale = head_dim ** -0.5
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number; got {scale}")
+    if num_seqs == 0:
+        return PagedDecodeShape(0, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks_per_seq, 0, scale)
+
+    lens = seq_lens.long()
+    if (lens < 1).any():
+        i = int((lens < 1).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] is {int(lens[i])}: every sequence needs at least 1 token "
+                         f"(the decode query attends over its own key too)")
+    capacity = max_blocks_per_seq * block_size
+    if (lens > capacity).any():
+        i = int((lens > capacity).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but a block table row holds only {max_blocks_per_seq} "
+                         f"blocks of {block_size} = {capacity} tokens")
+    # Only the entries a sequence uses must name real blocks; the rest of its row may hold anything.
+    blocks_used = (lens + block_size - 1) // block_size                                          # [num_seqs]
+    used = torch.arange(max_blocks_per_seq, device=lens.device)[None, :] < blocks_used[:, None]  # [num_seqs, max_blocks]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bad.any():
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_tables[{i}, {j}] is {int(block_tables[i, j])}, outside the pool of {num_blocks} "
+                         f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first {int(blocks_used[i])} entries)")
+    return PagedDecodeShape(num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                            max_blocks_per_seq, int(lens.max()), scale)
+
+
+def _check_mode(device: torch.device) -> None:
+    """Refuse CPU tensors when the kernels were compiled for a GPU (the interpreter was off at import)."""
+    if device.type == "cpu" and not RUNS_IN_INTERPRETER:
+        raise RuntimeError(
+            "kvlab.kernels was imported with Triton's interpreter off (TRITON_INTERPRET=0, or CUDA was available), "
+            "so its kernels are compiled for a GPU and cannot read CPU tensors. Move the tensors to CUDA, or set "
+            "TRITON_INTERPRET=1 before importing kvlab.kernels (in a new process) to run them on the CPU.")
+
+
+def _unit_last_stride(q, block_tables, seq_lens):
+    # The kernels step through head_dim, a table row and seq_lens one element at a time; other strides are
+    # passed in. Copying a strided q, table or seq_lens is cheap (the pools are never copied).
+    return q if q.stride(-1) == 1 else q.contiguous(), \
+        block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(), seq_lens.contiguous()
+
+
+def _num_warps(head_dim_pad: int, tile: int) -> int:
+    # A program holds a [TILE, HEAD_DIM_PAD] fp32 tile of K and of V: 8 warps keep that in registers at 256.
+    return 8 if head_dim_pad * tile >= 16384 else 4
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """How many ranges to split each sequence into: enough programs for about 4 per SM, none under 256 tokens."""
+    programs = max(1, num_seqs * num_heads)
+    wanted = triton.cdiv(4 * num_sms, programs)                 # small batches want more splits
+    useful = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)  # long contexts allow more splits
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=DEFAULT_TILE):
+    """Launch the one-pass kernel on validated inputs, writing out [num_seqs, num_heads, head_dim]; no checks."""
+    if shape.num_seqs == 0:
+        return out
+    _check_mode(q.device)
+    q, block_tables, seq_lens = _unit_last_stride(q, block_tables, seq_lens)
+    head_dim_pad = triton.next_power_of_2(shape.head_dim)
+    grid = (shape.num_seqs, shape.num_heads)
+    with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
+        _paged_decode_kernel[grid](
+            out, q, k_cache, v_cache, block_tables, seq_lens, shape.scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=shape.block_size, TILE=tile, num_warps=_num_warps(head_dim_pad, tile),
+        )
+    return out
+
+
+def split_plan(max_seq_len: int, num_splits: int, tile: int = DEFAULT_TILE) -> tuple[int, int]:
+    """(tokens_per_split, num_splits): whole tiles per split, and the splits that leaves (never more than asked)."""
+    tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), tile) * tile
+    return tokens_per_split, triton.cdiv(max(1, max_seq_len), tokens_per_split)
+
+
+def allocate_split_workspace(num_seqs, num_heads, num_splits, head_dim, device):
+    """fp32 scratch for split-KV: max and sum [num_seqs, num_heads, num_splits], acc [..., head_dim]."""
+    part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
+    return part_max, torch.empty_like(part_max), torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                                                              dtype=torch.float32, device=device)
+
+
+def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out,
+                                 num_splits, tile=DEFAULT_TILE, workspace=None):
+    """Launch split-KV then the reduce on validated inputs, writing out; workspace from allocate_split_workspace."""
+    if shape.num_seqs == 0:
+        return out
+    _check_mode(q.device)
+    q, block_tables, seq_lens = _unit_last_stride(q, block_tables, seq_lens)
+    tokens_per_split, num_splits = split_plan(shape.max_seq_len, num_splits, tile)
+    if workspace is None:
+        workspace = allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits, shape.head_dim, q.device)
+    part_max, part_sum, part_acc = workspace
+    if part_max.shape != (shape.num_seqs, shape.num_heads, num_splits):
+        raise ValueError(f"workspace is for {tuple(part_max.shape)} but this call needs "
+                         f"{(shape.num_seqs, shape.num_heads, num_splits)} (num_splits rounded to whole tiles)")
+    head_dim_pad = triton.next_power_of_2(shape.head_dim)
+    with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
+        _paged_decode_split_kernel[(shape.num_seqs, shape.num_heads, num_splits)](
+            part_max, part_sum, part_acc, q, k_cache, v_cache, block_tables, seq_lens, shape.scale, tokens_per_split,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=shape.block_size, TILE=tile, num_warps=_num_warps(head_dim_pad, tile),
+        )
+        _split_reduce_kernel[(shape.num_seqs, shape.num_heads)](
+            out, part_max, part_sum, part_acc, seq_lens, tokens_per_split, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """Attention of each sequence's one new query over its seq_len cached tokens, read through its block table.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]. Returns q's shape and dtype.
+    """
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return launch_paged_decode(shape, q, k_cache, v_cache, block_tables, seq_lens, out)
+
+
+def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None):
+    """The same attention, each sequence split into num_splits ranges (chosen from batch and length when None).
+
+    Shapes as paged_attention_decode: q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype.
+    """
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
+        num_splits = choose_num_splits(shape.num_seqs, shape.num_heads, shape.max_seq_len, num_sms)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)

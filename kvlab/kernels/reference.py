@@ -1,0 +1,32 @@
+"""Chapter 7's spec: paged decode attention in plain torch, one sequence at a time, to check the kernels against.
+
+The same math as kvlab.paged_cache.paged_attention with a single query per sequence: gather the
+sequence's keys and values through its block table, then softmax(q k^T * scale) v in fp32.
+"""
+
+import torch
+
+
+def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs]. Returns q's shape and dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for i in range(num_seqs):
+        seq_len = int(seq_lens[i])
+        # Only the blocks this sequence uses: the rest of its table row may name anything.
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+        # GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale  # [num_heads, seq_len]
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("ht,thd->hd", probs, v).to(q.dtype)
+    return out
