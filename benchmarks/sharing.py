@@ -40,7 +40,7 @@ from kvlab.beam_search import beam_search  # noqa: E402
 from kvlab.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvlab.parallel_sampling import sample_n  # noqa: E402
 from kvlab.paths import ASSETS_DIR  # noqa: E402
-from kvlab.traces import load_trace  # noqa: E402
+from kvlab.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 240  # prompt + output of a scaled request: fits the embedded model's 256-token context
@@ -51,16 +51,11 @@ PAPER = {"parallel sampling": "6.1-9.8 % (Alpaca), 16.2-30.5 % (ShareGPT)",
 
 def scaled_requests(count: int, tokenizer) -> list[tuple[list[int], int, int, int]]:
     """(prompt ids, output tokens, original prompt len, original output len) for the trace's first `count` requests."""
+    original = load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count]
+    fitted = fit_to_context(original, MAX_TOKENS)
     text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text()
-    rows = []
-    for req in load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count]:
-        scale = min(1.0, MAX_TOKENS / (req.prompt_len + req.output_len))
-        prompt_len = max(1, round(req.prompt_len * scale))
-        output_len = max(1, min(MAX_TOKENS - prompt_len, round(req.output_len * scale)))
-        start = (req.request_id * 7919) % (len(text) - 2 * MAX_TOKENS)
-        prompt = tokenizer(text[start:start + 2 * MAX_TOKENS])["input_ids"][:prompt_len]
-        rows.append((prompt, output_len, req.prompt_len, req.output_len))
-    return rows
+    prompts = prompts_from_text(fitted, text, lambda s: tokenizer(s)["input_ids"])
+    return [(p, f.output_len, o.prompt_len, o.output_len) for p, f, o in zip(prompts, fitted, original)]
 
 
 def v1_separate_requests(prompt, outputs, block_size=BLOCK_SIZE):

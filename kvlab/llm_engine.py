@@ -19,7 +19,7 @@ import torch
 
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
-from .paged_cache import PagedKVCache
+from .batched_attention import BatchedPagedKVCache
 from .paging import check_block_size, num_blocks_needed
 from .request import FINISH_REASONS, CompletionOutput, Request, RequestOutput, RequestStatus
 from .runner import context_length
@@ -49,7 +49,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 num_cpu_blocks: int | None = None, max_model_len: int | None = None, seed: int = 0):
+                 num_cpu_blocks: int | None = None, max_model_len: int | None = None, seed: int = 0,
+                 decode_backend: str = "auto"):
         self.model, self.tokenizer = model, tokenizer
         self.block_size = check_block_size(block_size)
         self.max_model_len = context_length(model) if max_model_len is None else _positive_int("max_model_len", max_model_len)
@@ -71,7 +72,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        # Decodes are attended in one batch (torch), or by the Triton kernel on a GPU; "torch" forces the reference.
+        self.cache = BatchedPagedKVCache.for_model(model, num_blocks, block_size, decode_backend)
         swap_space = None
         if preemption_mode == "swap":
             swap_space = SwapSpace(self.cache, num_blocks if num_cpu_blocks is None else num_cpu_blocks)

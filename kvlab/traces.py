@@ -154,3 +154,38 @@ def load_trace(path: str | Path) -> list[Request]:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{line_no}: bad request row {row}: {e}") from None
     return requests
+
+
+def fit_to_context(requests: list[Request], max_tokens: int) -> list[Request]:
+    """The requests scaled so that prompt + output <= max_tokens, each keeping its prompt-to-output ratio.
+
+    A small model's context (the embedded model's is 256) cannot hold ShareGPT-length requests;
+    scaling keeps the mix of short and long requests and the share of prompt tokens.
+    """
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (one prompt and one output token), got {max_tokens}")
+    fitted = []
+    for r in requests:
+        scale = min(1.0, max_tokens / r.final_len)
+        prompt_len = max(1, round(r.prompt_len * scale))
+        output_len = max(1, min(max_tokens - prompt_len, round(r.output_len * scale)))
+        fitted.append(Request(r.request_id, r.arrival_step, prompt_len, output_len))
+    return fitted
+
+
+def prompts_from_text(requests: list[Request], text: str, tokenize) -> list[list[int]]:
+    """Prompt token ids of each request's prompt_len, cut from `text` at a place that depends on its id.
+
+    tokenize(str) -> list[int]; with a character-level tokenizer one character is one token.
+    """
+    prompts = []
+    for r in requests:
+        window = r.prompt_len + 16  # enough characters for a character-level tokenizer; checked below
+        if len(text) <= window:
+            raise ValueError(f"the text has {len(text)} characters, too few for a {r.prompt_len}-token prompt")
+        start = (r.request_id * 7919) % (len(text) - window)
+        ids = list(tokenize(text[start:start + window]))[:r.prompt_len]
+        if len(ids) < r.prompt_len:
+            raise ValueError(f"request {r.request_id}: only {len(ids)} tokens in its slice of the text")
+        prompts.append(ids)
+    return prompts
