@@ -109,19 +109,19 @@ class BatchedPagedKVCache(PagedKVCache):
 def batched_decode_attention(q, k_pool, v_pool, index, mask, scaling):
     """One query per sequence over its gathered slots: q [B, H, D], index/mask [B, L] -> [B, H, D].
 
-    The pools are [num_blocks, block_size, Hkv, D]; query heads are grouped over their shared KV head
-    rather than copied, and the softmax runs in fp32 as Chapter 1's reference does.
+    The pools are [num_blocks, block_size, Hkv, D]. One index_select per pool gathers every
+    sequence's slots (padded to the longest, the padding masked), then torch's fused attention runs
+    all sequences and heads at once, sharing each KV head between its query heads (GQA) without copies.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[2]
-    k = k_pool.view(-1, num_kv_heads, head_dim)[index].float()  # [B, L, Hkv, D]
-    v = v_pool.view(-1, num_kv_heads, head_dim)[index].float()
-    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scaling
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    num_kv_heads, length = k_pool.shape[2], index.shape[1]
+    flat = index.reshape(-1)
+    k = k_pool.view(-1, num_kv_heads, head_dim).index_select(0, flat).view(num_seqs, length, num_kv_heads, head_dim)
+    v = v_pool.view(-1, num_kv_heads, head_dim).index_select(0, flat).view(num_seqs, length, num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=~mask[:, None, None, :], scale=scaling,
+        enable_gqa=num_heads != num_kv_heads)
+    return out[:, :, 0]
 
 
 def _triton_available() -> bool:

@@ -4,14 +4,15 @@ Requests are taken in order, batch_size at a time. Each member reserves blocks f
 longest possible sequence up front (what a padded [batch, max_len] cache holds), the batch prefills
 in one pass and then decodes every member at every step until its longest member is done: a member
 that finished early keeps computing (its tokens are thrown away, as padded batches do) and no new
-request can take its place. The passes are the same ragged ones the continuous engine runs, so the
-comparison measures scheduling, not a different attention.
+request can take its place. The passes are the same ragged ones, on the same cache (decodes attended
+in one batch), that the continuous engine runs, so the comparison measures scheduling alone.
 """
 
 import torch
 
 from .llm_engine import LLMEngine
-from .paged_cache import BatchLayout, PagedKVCache
+from .batched_attention import BatchedPagedKVCache
+from .paged_cache import BatchLayout
 from .paging import num_blocks_needed
 from .request import Request, RequestOutput, RequestStatus
 from .runner import forward
@@ -68,7 +69,7 @@ class StaticBatchingEngine:
         reserved = max(len(r.prompt_token_ids) for r in batch) + max(r.params.max_tokens for r in batch)
         limit = min(reserved, engine.max_model_len)
         per_member = num_blocks_needed(reserved, size)
-        cache = PagedKVCache.for_model(self.model, per_member * len(batch), size)
+        cache = BatchedPagedKVCache.for_model(self.model, per_member * len(batch), size)
         self.peak_reserved_blocks = max(self.peak_reserved_blocks, per_member * len(batch))
         tables = [list(range(i * per_member, (i + 1) * per_member)) for i in range(len(batch))]
         members = list(range(len(batch)))           # who computes in the next pass

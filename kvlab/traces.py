@@ -173,6 +173,30 @@ def fit_to_context(requests: list[Request], max_tokens: int) -> list[Request]:
     return fitted
 
 
+def scale_to_context(requests: list[Request], max_tokens: int, quantile: float = 0.95) -> list[Request]:
+    """The requests' lengths times one common factor, so the `quantile` of prompt + output fits max_tokens.
+
+    Unlike fit_to_context this keeps the spread of lengths (short requests stay short); the few
+    requests still too long are clipped, the prompt to at most max_tokens // 2 first, then the output.
+    """
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (one prompt and one output token), got {max_tokens}")
+    if not requests:
+        return []
+    lengths = sorted(r.final_len for r in requests)
+    target = lengths[min(len(lengths) - 1, int(quantile * len(lengths)))]
+    scale = min(1.0, max_tokens / target)
+    scaled = []
+    for r in requests:
+        prompt_len = max(1, round(r.prompt_len * scale))
+        output_len = max(1, round(r.output_len * scale))
+        if prompt_len + output_len > max_tokens:
+            prompt_len = min(prompt_len, max(1, max_tokens // 2))
+            output_len = min(output_len, max_tokens - prompt_len)
+        scaled.append(Request(r.request_id, r.arrival_step, prompt_len, output_len))
+    return scaled
+
+
 def prompts_from_text(requests: list[Request], text: str, tokenize) -> list[list[int]]:
     """Prompt token ids of each request's prompt_len, cut from `text` at a place that depends on its id.
 
