@@ -8,6 +8,8 @@ computation; prefill chunks keep Chapter 3's per-sequence path. On a CUDA device
 decodes go to Chapter 7's paged decode kernel instead, which reads the blocks in place.
 """
 
+import os
+
 import torch
 
 from .paged_cache import PagedKVCache, paged_attention
@@ -35,9 +37,9 @@ class BatchedPagedKVCache(PagedKVCache):
         device = self.k_pools[0].device
         if decode_backend == "auto":
             decode_backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
-        if decode_backend == "triton" and device.type != "cuda":
-            raise ValueError("decode_backend='triton' runs on a CUDA device; the pools are on "
-                             f"{device.type} (use 'torch', or TRITON_INTERPRET=1 with kvlab.kernels directly)")
+        if decode_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("decode_backend='triton' runs on a CUDA device, or on CPU in Triton's interpreter "
+                             f"(TRITON_INTERPRET=1 before kvlab.kernels is imported); the pools are on {device.type}")
         self.decode_backend = decode_backend
         self._plan = None
 
