@@ -12,8 +12,12 @@ The modules follow the chapters:
              beam search), parallel_sampling (n samples sharing one prefill)
   Chapter 6  sampling_params (SamplingParams, BeamSearchParams), request, sampler, swap (the CPU
              block pool), scheduler (token budget, chunked prefill, preemption), model_runner (one
-             ragged forward per step), llm_engine (LLMEngine), llm (LLM), static_batching (the
-             baseline), widgets.timeline
+             ragged forward per step), batched_attention (a step's decodes in one batch),
+             llm_engine (LLMEngine), llm (LLM), static_batching (the baseline), widgets.timeline
+  Chapter 7  kernels (the Triton paged decode kernel, its split-KV variant, a torch reference,
+             ahead-of-time compilation for GPUs that are not here)
+  Chapter 8  quantized_cache (int8 / fp8 K and V with per-block scales), vllm_bridge (kvlab's knobs
+             in vLLM's names, the KV blocks vLLM would allocate, its start-up errors explained)
 """
 
 __version__ = "0.1.0"
