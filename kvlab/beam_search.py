@@ -255,20 +255,14 @@ class BeamSearch:
             if kept:
                 sequences.append({"id": f"h{j}", "status": f"finished, score {score:.3f}", "block_table": [],
                                   "tokens_stored": 0, "prompt_ids": self.prompt, "output_ids": toks})
-        used = [b for b in blocks if b["owners"]]
-        tokens = sum(b["fill"] for b in used)
-        return {
-            "block_size": size, "num_blocks": manager.num_blocks, "step": self.step_count, "done": self.done,
-            "blocks": blocks, "sequences": sequences,
-            "counters": {
-                "step": self.step_count, "num_blocks": len(blocks), "used_blocks": len(used),
-                "free_blocks": len(blocks) - len(used), "tokens_stored": tokens,
-                "slot_utilization": tokens / (len(used) * size) if used else 0.0,
-                "extra": {"shared blocks": sum(len(b["owners"]) > 1 for b in used),
-                          "beams died": self.last_dead, "forks": self.last_forked,
-                          "copy-on-write copies": len(self.last_copies)},
-            },
-        }
+        from .widgets.block_map import counters_for  # the drawing's module: imported only when drawing
+
+        counters = counters_for(blocks, size, self.step_count)
+        counters["extra"] = {"shared blocks": sum(len(b["owners"]) > 1 for b in blocks),
+                             "beams died": self.last_dead, "forks": self.last_forked,
+                             "copy-on-write copies": len(self.last_copies)}
+        return {"block_size": size, "num_blocks": manager.num_blocks, "step": self.step_count, "done": self.done,
+                "blocks": blocks, "sequences": sequences, "counters": counters}
 
 
 def beam_search(model, prompt_ids, beam_width: int, max_new_tokens: int, length_penalty: float = 1.0,

@@ -155,6 +155,31 @@ class KVCacheManager:
         blocks = self.req_to_blocks[request_id]
         self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
 
+    def block_views(self, hit_blocks=frozenset()) -> list[dict]:
+        """Every block as the block map's plain data: owners, fill, ref count, cached, hash, hit (see kvlab.widgets)."""
+        size = self.block_size
+        blocks = []
+        for block in self.block_pool.blocks:
+            cached = block.block_hash is not None and block.ref_cnt == 0
+            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
+                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+            if block.block_hash is not None:
+                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
+                entry["note"] = f"hash {digest[:4]}…"
+            if block.block_id in hit_blocks:
+                entry["hit"] = True
+            blocks.append(entry)
+        # req_to_blocks is in admission order, so the first owner listed is the first request that held the block.
+        for rid, table in self.req_to_blocks.items():
+            stored = self.num_tokens[rid]
+            for logical, block in enumerate(table):
+                entry = blocks[block.block_id]
+                if entry["owner"] is None:
+                    entry.update(owner=rid, logical=logical)
+                entry["owners"].append(rid)
+                entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
+        return blocks
+
     def free(self, request_id) -> None:
         """Drop the request's references, last block first, so its tail is evicted before its shared prefix."""
         if request_id not in self.req_to_blocks:

@@ -220,19 +220,7 @@ class LLMEngine:
     def snapshot(self) -> dict:
         """The pool and block tables as the block map's plain data (kvlab.widgets.block_map)."""
         manager, size = self.kv_cache_manager, self.block_size
-        blocks = []
-        for block in manager.block_pool.blocks:
-            cached = block.block_hash is not None and block.ref_cnt == 0
-            blocks.append({"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
-                           "logical": None, "ref_count": block.ref_cnt, "cached": cached})
-        for rid, table in manager.req_to_blocks.items():
-            stored = manager.num_tokens[rid]
-            for logical, block in enumerate(table):
-                entry = blocks[block.block_id]
-                if entry["owner"] is None:
-                    entry.update(owner=rid, logical=logical)
-                entry["owners"].append(rid)
-                entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
+        blocks = manager.block_views()
         tables = manager.block_tables
         sequences = []
         for rid, req in self.requests.items():
@@ -242,13 +230,11 @@ class LLMEngine:
                 "output_ids": req.output_token_ids,
                 "num_cached_tokens": manager.num_cached_tokens.get(rid),
             })
-        used = [b for b in blocks if b["owners"]]
-        tokens = sum(b["fill"] for b in used)
+        from .widgets.block_map import counters_for  # the drawing's module: imported only when drawing
+
+        counters = counters_for(blocks, size, self.step_count)
+        counters["extra"] = {"preemptions": self.scheduler.num_preemptions}
         return {
             "block_size": size, "num_blocks": self.num_blocks, "step": self.step_count,
-            "done": not self.has_unfinished_requests(), "blocks": blocks, "sequences": sequences,
-            "counters": {"step": self.step_count, "num_blocks": len(blocks), "used_blocks": len(used),
-                         "free_blocks": len(blocks) - len(used), "tokens_stored": tokens,
-                         "slot_utilization": tokens / (len(used) * size) if used else 0.0,
-                         "extra": {"preemptions": self.scheduler.num_preemptions}},
+            "done": not self.has_unfinished_requests(), "blocks": blocks, "sequences": sequences, "counters": counters,
         }

@@ -96,39 +96,15 @@ class PrefixCachingGenerator(PagedGenerator):
         manager = self.kv_cache_manager
         pool = manager.block_pool
         size = self.block_size
-        blocks = []
-        for block in pool.blocks:
-            cached = block.block_hash is not None and block.ref_cnt == 0
-            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
-                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
-            if block.block_hash is not None:
-                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
-                entry["note"] = f"hash {digest[:4]}…"
-            if block.block_id in self.last_hit_blocks:
-                entry["hit"] = True
-            blocks.append(entry)
-        # req_to_blocks is in admission order, so the first owner listed is the first request that held the block.
-        for rid, table in manager.req_to_blocks.items():
-            stored = manager.num_tokens[rid]
-            for logical, block in enumerate(table):
-                entry = blocks[block.block_id]
-                if entry["owner"] is None:
-                    entry.update(owner=rid, logical=logical)
-                entry["owners"].append(rid)
-                entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
+        blocks = manager.block_views(self.last_hit_blocks)
         sequences = self.sequence_views(manager.block_tables, manager.num_tokens)
         for view in sequences:
             view["num_cached_tokens"] = self.num_cached_tokens.get(view["id"])  # None until admitted
-        used = [b for b in blocks if b["owners"]]
-        tokens = sum(b["fill"] for b in used)
-        slots = len(used) * size
-        counters = {
-            "step": self.step_count,
-            "num_blocks": len(blocks),
-            "used_blocks": len(used),
-            "free_blocks": len(blocks) - len(used),  # cached blocks count as free: they can be handed out
-            "tokens_stored": tokens,
-            "slot_utilization": tokens / slots if slots else 0.0,
+        # Cached blocks count as free: they can be handed out.
+        from .widgets.block_map import counters_for  # the drawing's module: imported only when drawing
+
+        counters = counters_for(blocks, size, self.step_count)
+        counters.update({
             "extra": {
                 "prefix hits (tokens)": manager.hits,
                 "hit rate": f"{manager.hit_rate:.0%}",
@@ -136,7 +112,7 @@ class PrefixCachingGenerator(PagedGenerator):
                 "cached free blocks": sum(b["cached"] for b in blocks),
                 "evictions": pool.num_evictions,
             },
-        }
+        })
         return {
             "block_size": size,
             "num_blocks": len(blocks),
