@@ -323,3 +323,72 @@ def test_block_map_renders_and_steps_in_jupyterlab(chromium, notebook_path, jupy
             raise
         finally:
             browser.close()
+
+
+TIMELINE_CELLS = [
+    '''\
+from kvlab import SamplingParams, load_model
+from kvlab.llm_engine import LLMEngine
+from kvlab.widgets import Timeline
+
+model, tokenizer = load_model()
+
+def make_engine():
+    engine = LLMEngine(model, tokenizer, block_size=8, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=24)
+    for i, text in enumerate(["OTHELLO.\\n", "HAMLET.\\nTo be, or not", "KING LEAR.\\nNothing will come", "ROMEO.\\n"]):
+        engine.add_request(f"r{i}", text, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    return engine''',
+    '''\
+timeline = Timeline(make_engine, decode=tokenizer.decode, title="Chapter 6: continuous batching")
+for _ in range(4):
+    timeline.step()
+display(timeline)
+print(timeline.summary())''',
+]
+
+
+def test_timeline_renders_and_steps_in_jupyterlab(chromium, jupyterlab, tmp_path):
+    """Chapter 6's timeline and its block map draw in JupyterLab and both advance on one Step."""
+    from playwright.sync_api import expect, sync_playwright
+
+    root = tmp_path / "root"
+    root.mkdir(exist_ok=True)
+    path = root / "timeline_demo.ipynb"
+    _write_notebook(path, TIMELINE_CELLS)
+    rel_path = path.relative_to(root).as_posix()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_FLAGS)
+        try:
+            jupyterlab.wait_ready()
+            page = browser.new_page(viewport={"width": 1600, "height": 1100})
+            page.goto(f"{jupyterlab.url}/lab/tree/{rel_path}?reset&token={jupyterlab.token}")
+            page.locator(".jp-NotebookPanel .jp-CodeCell").first.wait_for(timeout=WIDGET_S * 1000)
+            _run_all(page, jupyterlab, rel_path)
+            nb = _wait_until_executed(page)
+            _check_no_errors(nb)
+
+            widget = page.locator(".kvlab-timeline-widget").first
+            timeline = widget.locator(".kvlab-timeline")
+            block_map = widget.locator(".kvlab-block-map")
+            timeline.wait_for(timeout=WIDGET_S * 1000)
+            assert timeline.get_attribute("data-step") == "4" == block_map.get_attribute("data-step")
+            assert widget.locator(".kvlab-row").count() == 4, "one timeline row per request"
+            assert widget.locator(".kvlab-cell").count() == 4 * 4, "one cell per request per step"
+            cells_before = widget.locator(".kvlab-cell").evaluate_all("els => els.map(e => e.dataset.state)")
+            widget.locator("button", has_text="Step").click()
+            expect(timeline).to_have_attribute("data-step", "5", timeout=30_000)
+            expect(block_map).to_have_attribute("data-step", "5", timeout=30_000)
+            cells_after = widget.locator(".kvlab-cell").evaluate_all("els => els.map(e => e.dataset.state)")
+            assert len(cells_after) == len(cells_before) + 4, "Step adds one column to the timeline"
+            assert timeline.get_attribute("data-used") == block_map.get_attribute("data-used"), (
+                "the timeline's pool occupancy and the block map agree")
+            output = page.locator(".jp-OutputArea-output").filter(has=widget).first
+            shot = tmp_path / "timeline.png"
+            output.screenshot(path=str(shot))
+            SCREENSHOT_COPY.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shot, SCREENSHOT_COPY.parent / "timeline.png")
+        except Exception:
+            print(f"--- JupyterLab log ---\n{jupyterlab.log_tail()}")
+            raise
+        finally:
+            browser.close()

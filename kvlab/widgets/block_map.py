@@ -144,7 +144,9 @@ def _block_html(block: dict, block_size: int) -> str:
         hover += "; copy-on-write copy made in the last step"
     outline = f"outline:{COPY_OUTLINE if copied else HIT_OUTLINE};outline-offset:1px;" if hit or copied else ""
     height = round(100 * min(fill, block_size) / block_size)
-    owner_label = "" if not owners else (f"s{owners[0]}" if len(owners) == 1 else f"s{owners[0]}+")
+    # Integer ids read "s3"; engines with named requests ("r3", "0_req") show the name itself.
+    first = "" if not owners else (f"s{owners[0]}" if isinstance(owners[0], int) else str(owners[0])[:4])
+    owner_label = first + ("+" if len(owners) > 1 else "")
     badge = (f'<span style="position:absolute;right:1px;top:1px;font-size:9px;background:#222;color:#fff;'
              f'border-radius:3px;padding:0 2px">×{_esc(ref_count)}</span>') if ref_count and ref_count > 1 else ""
     label_style = "position:relative;display:block;line-height:12px;background:rgba(255,255,255,.75);padding:0 1px"
