@@ -9,7 +9,14 @@ GPU and no driver.
 The kernels are rebuilt as compiled JITFunctions from their Python source even when
 kvlab.kernels was imported with the interpreter on (the default on a machine without CUDA).
 
-    python -m kvlab.kernels.aot --sm 75 80 90 [--head-dim 128] [--block-size 16] [--out DIR] [--json]
+Besides fp32 / fp16 / bf16 pools, the decode and split-KV kernels are compiled for quantized pools
+(QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89 on,
+the first NVIDIA GPUs that convert it in hardware: Triton 3.7 refuses fp8e4nv below sm_89 ("type fp8e4nv
+not supported in this architecture"; it offers only fp8e4b15 and fp8e5 there).
+Their q and output are fp16 by default; the reduce kernel never reads the pools, so it has no such variant.
+
+    python -m kvlab.kernels.aot --sm 75 80 90 [--head-dim 128] [--block-size 16] [--kv-dtypes int8 fp8]
+                                [--out DIR] [--json]
 """
 
 import argparse
@@ -31,6 +38,8 @@ from . import paged_attention as pa
 
 # Triton's names for the element types of q, the caches and the output.
 DTYPES = ("fp32", "fp16", "bf16")
+# Quantized pools, by kvlab.quantized_cache's kv_cache_dtype name: Triton's element type for a pointer to them.
+KV_DTYPES = {"int8": "i8", "fp8": "fp8e4nv"}
 
 
 @dataclass(slots=True)
@@ -39,7 +48,8 @@ class CompiledKernel:
 
     kernel: str          # the @triton.jit function's name
     sm: int              # compute capability, e.g. 80 for an A100
-    dtype: str           # element type of q, the caches and the output
+    dtype: str           # element type of q and the output (and of the caches unless quantized)
+    kv_dtype: str        # element type of the caches: dtype itself, or int8 / fp8 (e4m3) read with scales
     head_dim: int
     block_size: int
     ptx_target: str      # the PTX's .target line, e.g. sm_80 (sm_90a on Hopper)
@@ -54,6 +64,11 @@ class CompiledKernel:
 def dtypes_for(sm: int) -> list[str]:
     """Element types worth compiling for sm: bf16 needs sm_80 or newer (T4, sm_75, has none)."""
     return ["fp32", "fp16"] + (["bf16"] if sm >= 80 else [])
+
+
+def kv_dtypes_for(sm: int) -> list[str]:
+    """Quantized pools worth compiling for sm: int8 everywhere, fp8 e4m3 from sm_89 (Ada, Hopper) on."""
+    return ["int8"] + (["fp8"] if sm >= 89 else [])
 
 
 @contextlib.contextmanager
@@ -78,37 +93,54 @@ def _jit(kernel) -> JITFunction:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE):
-    """(kernel, signature, constexprs, num_warps) for the three kernels, as the launchers would pass them."""
+def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None):
+    """(kernel, signature, constexprs, num_warps) for the kernels, as the launchers would pass them.
+
+    kv_dtype None: the pools hold dtype, the three kernels. "int8" or "fp8": quantized pools read with fp32
+    scales, the decode and split-KV kernels only (the reduce kernel never reads the pools).
+    """
     head_dim_pad = triton.next_power_of_2(head_dim)
     num_warps = pa._num_warps(head_dim_pad, tile)
+    quantized = kv_dtype is not None
     # QUERIES_PER_KV 4 as in Llama-3-8B (32 query heads on 8 KV heads).
     shape = {"QUERIES_PER_KV": 4, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad,
-             "BLOCK_SIZE": block_size, "TILE": tile}
+             "BLOCK_SIZE": block_size, "TILE": tile, "QUANTIZED": quantized}
     io = f"*{dtype}"  # a pointer to that element type
-    decode = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": io, "v_cache_ptr": io, "block_tables_ptr": "*i32",
+    kv = f"*{KV_DTYPES[kv_dtype]}" if quantized else io
+    if quantized:
+        scales = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    else:  # the launchers pass None, which the JIT turns into a constexpr: no argument, no code
+        scales = {"k_scale_ptr": "constexpr", "v_scale_ptr": "constexpr"}
+        shape.update(k_scale_ptr=None, v_scale_ptr=None)
+    decode = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32",
               "seq_lens_ptr": "*i32", "scale": "fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
               "stride_out_seq": "i32", "stride_out_head": "i32", "stride_cache_block": "i32",
               "stride_cache_slot": "i32", "stride_cache_head": "i32", "stride_table_seq": "i32"}
     split = {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "q_ptr": io,
-             "k_cache_ptr": io, "v_cache_ptr": io, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "scale": "fp32", "tokens_per_split": "i32", "stride_q_seq": "i32", "stride_q_head": "i32",
              "stride_cache_block": "i32", "stride_cache_slot": "i32", "stride_cache_head": "i32",
              "stride_table_seq": "i32"}
+    kernels = [(pa._paged_decode_kernel, decode, shape, num_warps),
+               (pa._paged_decode_split_kernel, split, shape, num_warps)]
+    if quantized:
+        return kernels
     reduce = {"out_ptr": io, "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32",
               "seq_lens_ptr": "*i32", "tokens_per_split": "i32", "num_splits": "i32",
               "stride_out_seq": "i32", "stride_out_head": "i32"}
     reduce_consts = {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "NUM_SPLITS_PAD": 16}
-    return [(pa._paged_decode_kernel, decode, shape, num_warps),
-            (pa._paged_decode_split_kernel, split, shape, num_warps),
-            (pa._split_reduce_kernel, reduce, reduce_consts, 4)]  # the launcher's num_warps for the reduce
+    return kernels + [(pa._split_reduce_kernel, reduce, reduce_consts, 4)]  # the launcher's num_warps for the reduce
 
 
-def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None) -> list[CompiledKernel]:
-    """Compile the decode, split-KV and reduce kernels for GPUTarget("cuda", sm, 32) in each dtype."""
+def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None,
+                    kv_dtypes=None, kv_q_dtype: str = "fp16") -> list[CompiledKernel]:
+    """Compile the decode, split-KV and reduce kernels for GPUTarget("cuda", sm, 32) in each dtype, then the
+    decode and split-KV kernels on each quantized pool kind (kv_dtypes, default kv_dtypes_for(sm)) with q in kv_q_dtype."""
+    variants = [(dtype, None) for dtype in (dtypes or dtypes_for(sm))]
+    variants += [(kv_q_dtype, kv_dtype) for kv_dtype in (kv_dtypes_for(sm) if kv_dtypes is None else kv_dtypes)]
     results = []
-    for dtype in dtypes or dtypes_for(sm):
-        for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size):
+    for dtype, kv_dtype in variants:
+        for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size, kv_dtype=kv_dtype):
             fn = _jit(kernel)
             signature = dict(signature, **{name: "constexpr" for name in constexprs})
             # What the JIT infers at run time from real arguments: pointers 16-byte aligned (torch allocates
@@ -124,13 +156,15 @@ def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=N
             ptx, cubin = compiled.asm.get("ptx", ""), compiled.asm.get("cubin", b"")
             name = fn.__name__.strip("_")
             if out_dir is not None:
-                stem = Path(out_dir) / f"{name}_sm{sm}_{dtype}_d{head_dim}_b{block_size}"
+                kv = f"_kv{kv_dtype}" if kv_dtype else ""
+                stem = Path(out_dir) / f"{name}_sm{sm}_{dtype}{kv}_d{head_dim}_b{block_size}"
                 stem.parent.mkdir(parents=True, exist_ok=True)
                 stem.with_suffix(".ptx").write_text(ptx)
                 if cubin:
                     stem.with_suffix(".cubin").write_bytes(cubin)
             target = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
-            results.append(CompiledKernel(name, sm, dtype, head_dim, block_size, target.group(1) if target else "",
+            results.append(CompiledKernel(name, sm, dtype, kv_dtype or dtype, head_dim, block_size,
+                                          target.group(1) if target else "",
                                           len(ptx), ptx.count("ld.global.v4"), len(cubin), cubin[:4] == b"\x7fELF",
                                           int(compiled.metadata.shared), round(seconds, 2)))
     return results
@@ -142,17 +176,22 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default: fp32 fp16, and bf16 from sm_80")
+    parser.add_argument("--kv-dtypes", nargs="*", choices=list(KV_DTYPES),
+                        help="quantized pools (none if the flag has no value); default: int8, and fp8 from sm_89")
+    parser.add_argument("--kv-q-dtype", choices=DTYPES, default="fp16", help="q and output dtype with quantized pools")
     parser.add_argument("--out", help="write each kernel's .ptx and .cubin here")
     parser.add_argument("--json", action="store_true", help="one JSON object per compiled kernel")
     args = parser.parse_args(argv)
     print(f"# triton {triton.__version__}; kernels compiled from their @triton.jit source "
           f"(kvlab.kernels imported with the interpreter {'on' if pa.RUNS_IN_INTERPRETER else 'off'})", flush=True)
     for sm in args.sm:
-        for result in compile_kernels(sm, args.head_dim, args.block_size, args.dtypes, args.out):
+        for result in compile_kernels(sm, args.head_dim, args.block_size, args.dtypes, args.out, args.kv_dtypes,
+                                      args.kv_q_dtype):
             if args.json:
                 print(json.dumps(asdict(result)), flush=True)
             else:
-                print(f"{result.ptx_target:7} {result.dtype:4} {result.kernel:26} head_dim {result.head_dim:3} "
+                print(f"{result.ptx_target:7} {result.dtype:4} kv {result.kv_dtype:4} {result.kernel:26} "
+                      f"head_dim {result.head_dim:3} "
                       f"block {result.block_size:3}: PTX {result.ptx_bytes / 1024:5.1f} KiB "
                       f"({result.vector_loads} 16-byte loads), cubin {result.cubin_bytes / 1024:5.1f} KiB, "
                       f"{result.seconds:.2f} s", flush=True)

@@ -16,6 +16,13 @@ Two kernels compute it:
                            With a batch of one and 32 heads the one-pass grid has 32 programs for a
                            GPU of 132 SMs; splitting a 32k context 17 ways gives each SM about four.
 
+Quantized pools (Chapter 8's kvlab.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
+with one float32 scale per (physical block, KV head) for K and one for V, k_scale and v_scale
+[num_blocks, num_kv_heads]. The kernels load the 8-bit values, convert them to fp32 and multiply each position
+by its block's scale right after the load (real value = stored * scale), so everything after the loads is
+unchanged. QUANTIZED is a compile-time flag: with unquantized pools the scale pointers are None and the
+kernels compile to the same code as without it.
+
 The order follows Triton's tutorials: kernels, then the wrappers that validate and launch them.
 """
 
@@ -54,6 +61,8 @@ def _paged_decode_kernel(
     q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
     k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
     v_cache_ptr,         # the value pool: same shape and strides as the key pool
+    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head); None unless QUANTIZED
+    v_scale_ptr,         # the same for V
     block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
     seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool, the new one included
     scale,               # softmax scale, usually head_dim ** -0.5
@@ -70,11 +79,14 @@ def _paged_decode_kernel(
     HEAD_DIM_PAD: tl.constexpr,    # next power of two (tl.arange needs one), e.g. 128; the rest is masked
     BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two so // and % are shifts and masks
     TILE: tl.constexpr,            # positions loaded per loop iteration (may span blocks or part of one)
+    QUANTIZED: tl.constexpr,       # True: the pools hold int8 / fp8 values to multiply by k_scale / v_scale
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV  # GQA: consecutive query heads read the same KV head
     seq_len = tl.load(seq_lens_ptr + seq)
+    if QUANTIZED:
+        num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV  # the scales' row length: one per KV head
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -98,12 +110,18 @@ def _paged_decode_kernel(
         kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM_PAD]
         kv_mask = in_seq[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            # Dequantise right after the load: each position times the scale of its (physical block, KV head).
+            scale_offsets = block * num_kv_heads + kv_head                                   # [TILE]
+            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
         scores = tl.sum(k * q[None, :], axis=1)                 # [TILE]
         scores = tl.where(in_seq, scores, float("-inf"))       # padding positions get zero weight
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new max (0 on the first tile)
         p = tl.exp2(scores - m_new)                            # [TILE]
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -120,6 +138,8 @@ def _paged_decode_split_kernel(
     q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
     k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
     v_cache_ptr,         # the value pool: same shape and strides as the key pool
+    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head); None unless QUANTIZED
+    v_scale_ptr,         # the same for V
     block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
     seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool
     scale,               # softmax scale, usually head_dim ** -0.5
@@ -135,12 +155,15 @@ def _paged_decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,    # next power of two of HEAD_DIM
     BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two
     TILE: tl.constexpr,            # positions loaded per loop iteration
+    QUANTIZED: tl.constexpr,       # True: the pools hold int8 / fp8 values to multiply by k_scale / v_scale
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // QUERIES_PER_KV
     seq_len = tl.load(seq_lens_ptr + seq)
+    if QUANTIZED:
+        num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV
     # This program's range [split_start, split_end); empty for splits past a short sequence's end.
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
@@ -163,11 +186,16 @@ def _paged_decode_split_kernel(
         kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]
         kv_mask = in_range[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            scale_offsets = block * num_kv_heads + kv_head
+            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
         scores = tl.where(in_range, tl.sum(k * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -281,15 +309,68 @@ class PagedDecodeShape:
     scale: float
 
 
+def quantized_cache_dtypes() -> tuple[torch.dtype, ...]:
+    """Pool dtypes read with k_scale / v_scale: int8, and torch.float8_e4m3fn where this torch has it (2.1+)."""
+    # Looked up at call time, like kvlab.quantized_cache does, so a torch without float8 is told so clearly.
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    return (torch.int8,) if fp8 is None else (torch.int8, fp8)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None) -> PagedDecodeShape:
+def _cache_dtypes_hint() -> str:
+    if len(quantized_cache_dtypes()) == 2:
+        return "use float32, float16 or bfloat16, or int8 / float8_e4m3fn pools with k_scale and v_scale"
+    return (f"use float32, float16 or bfloat16, or int8 pools with k_scale and v_scale (fp8 pools need "
+            f"torch.float8_e4m3fn, which torch {torch.__version__} does not have: it arrived in torch 2.1)")
+
+
+def _check_kv_scales(k_cache, k_scale, v_scale, num_blocks: int, num_kv_heads: int) -> None:
+    """Scales come with 8-bit pools and only with them: float32 [num_blocks, num_kv_heads], contiguous, > 0 and finite."""
+    quantized = k_cache.dtype in quantized_cache_dtypes()
+    cache_dtype = _dtype_name(k_cache.dtype)
+    if not quantized:
+        given = [name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} given, but the caches are {cache_dtype}: scales are only for "
+                             f"int8 or fp8 pools (leave k_scale and v_scale as None)")
+        return
+    missing = [name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is None]
+    if missing:
+        raise ValueError(f"the caches are {cache_dtype}, so k_scale and v_scale are required ({' and '.join(missing)} "
+                         f"missing): float32 [num_blocks, num_kv_heads] = [{num_blocks}, {num_kv_heads}], real value = "
+                         f"stored * scale (QuantizedPagedKVCache keeps them in k_scales[layer] and v_scales[layer])")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [num_blocks, num_kv_heads] of float32; got {type(s).__name__}")
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (what the kernel reads); got {_dtype_name(s.dtype)}")
+        if tuple(s.shape) != (num_blocks, num_kv_heads):
+            raise ValueError(f"{name} must have shape [num_blocks, num_kv_heads] = ({num_blocks}, {num_kv_heads}), "
+                             f"one scale per (physical block, KV head); got {tuple(s.shape)}")
+        if s.device != k_cache.device:
+            raise ValueError(f"{name} is on {s.device} but the caches are on {k_cache.device}: "
+                             f"all inputs must be on one device")
+        if not s.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel reads scale[block, kv_head] at "
+                             f"block * num_kv_heads + kv_head); got strides {s.stride()} (call .contiguous())")
+        bad = ~(torch.isfinite(s) & (s > 0))
+        if bad.any():
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{name}[{i}, {j}] is {float(s[i, j])}: every scale must be positive and finite "
+                             f"(real value = stored * scale; an all-zero block still needs a scale > 0)")
+
+
+def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
+                                 v_scale=None) -> PagedDecodeShape:
     """Check a decode call's inputs without launching anything; raise ValueError naming what is wrong.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs].
+    Quantized pools (int8, or float8_e4m3fn where torch has it) also need k_scale and v_scale: float32
+    [num_blocks, num_kv_heads], contiguous, positive and finite; q stays float32, float16 or bfloat16.
     """
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens))
     for name, t in named:
@@ -308,13 +389,16 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
         listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
         raise ValueError(f"all inputs must be on one device; got {listed}")
 
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} has dtype {_dtype_name(t.dtype)}, which is not supported: "
-                             f"use float32, float16 or bfloat16")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q, k_cache and v_cache must share one dtype; got {_dtype_name(q.dtype)}, "
-                         f"{_dtype_name(k_cache.dtype)} and {_dtype_name(v_cache.dtype)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q has dtype {_dtype_name(q.dtype)}, which is not supported: use float32, float16 or "
+                         f"bfloat16 (only the pools may be 8-bit, with k_scale and v_scale)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype not in SUPPORTED_DTYPES + quantized_cache_dtypes():
+            raise ValueError(f"{name} has dtype {_dtype_name(cache.dtype)}, which is not supported: {_cache_dtypes_hint()}")
+    quantized = k_cache.dtype in quantized_cache_dtypes()
+    if k_cache.dtype != v_cache.dtype or not (quantized or q.dtype == k_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share one dtype (or the pools share one 8-bit dtype); got "
+                         f"{_dtype_name(q.dtype)}, {_dtype_name(k_cache.dtype)} and {_dtype_name(v_cache.dtype)}")
 
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -332,6 +416,7 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache and v_cache must have the same strides and a contiguous head_dim; got strides "
                          f"{k_cache.stride()} and {v_cache.stride()} (call .contiguous() on the pools once)")
+    _check_kv_scales(k_cache, k_scale, v_scale, num_blocks, num_kv_heads)
 
     for name, t, dims in (("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]"),
                           ("seq_lens", seq_lens, "[num_seqs]")):
@@ -388,6 +473,15 @@ def _unit_last_stride(q, block_tables, seq_lens):
         block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(), seq_lens.contiguous()
 
 
+def _is_quantized(k_cache, k_scale, v_scale) -> bool:
+    """The launchers' one check (no device sync): scales come with 8-bit pools and only with them."""
+    quantized = k_cache.dtype in quantized_cache_dtypes()
+    if quantized != (k_scale is not None) or quantized != (v_scale is not None):
+        raise ValueError(f"{_dtype_name(k_cache.dtype)} pools need k_scale and v_scale "
+                         f"{'both given' if quantized else 'both None'} (validate_paged_decode_inputs checks them)")
+    return quantized
+
+
 def _num_warps(head_dim_pad: int, tile: int) -> int:
     # A program holds a [TILE, HEAD_DIM_PAD] fp32 tile of K and of V: 8 warps keep that in registers at 256.
     return 8 if head_dim_pad * tile >= 16384 else 4
@@ -401,8 +495,13 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=DEFAULT_TILE):
-    """Launch the one-pass kernel on validated inputs, writing out [num_seqs, num_heads, head_dim]; no checks."""
+def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=DEFAULT_TILE,
+                        k_scale=None, v_scale=None):
+    """Launch the one-pass kernel on validated inputs, writing out [num_seqs, num_heads, head_dim]; no checks.
+
+    k_scale, v_scale: [num_blocks, num_kv_heads] float32 for int8 / fp8 pools, None otherwise.
+    """
+    quantized = _is_quantized(k_cache, k_scale, v_scale)
     if shape.num_seqs == 0:
         return out
     _check_mode(q.device)
@@ -411,11 +510,11 @@ def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tabl
     grid = (shape.num_seqs, shape.num_heads)
     with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
         _paged_decode_kernel[grid](
-            out, q, k_cache, v_cache, block_tables, seq_lens, shape.scale,
+            out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=shape.block_size, TILE=tile, num_warps=_num_warps(head_dim_pad, tile),
+            BLOCK_SIZE=shape.block_size, TILE=tile, QUANTIZED=quantized, num_warps=_num_warps(head_dim_pad, tile),
         )
     return out
 
@@ -434,8 +533,12 @@ def allocate_split_workspace(num_seqs, num_heads, num_splits, head_dim, device):
 
 
 def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out,
-                                 num_splits, tile=DEFAULT_TILE, workspace=None):
-    """Launch split-KV then the reduce on validated inputs, writing out; workspace from allocate_split_workspace."""
+                                 num_splits, tile=DEFAULT_TILE, workspace=None, k_scale=None, v_scale=None):
+    """Launch split-KV then the reduce on validated inputs, writing out; workspace from allocate_split_workspace.
+
+    k_scale, v_scale: [num_blocks, num_kv_heads] float32 for int8 / fp8 pools, None otherwise.
+    """
+    quantized = _is_quantized(k_cache, k_scale, v_scale)
     if shape.num_seqs == 0:
         return out
     _check_mode(q.device)
@@ -450,10 +553,11 @@ def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, b
     head_dim_pad = triton.next_power_of_2(shape.head_dim)
     with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
         _paged_decode_split_kernel[(shape.num_seqs, shape.num_heads, num_splits)](
-            part_max, part_sum, part_acc, q, k_cache, v_cache, block_tables, seq_lens, shape.scale, tokens_per_split,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            part_max, part_sum, part_acc, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
+            tokens_per_split, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=shape.block_size, TILE=tile, num_warps=_num_warps(head_dim_pad, tile),
+            BLOCK_SIZE=shape.block_size, TILE=tile, QUANTIZED=quantized, num_warps=_num_warps(head_dim_pad, tile),
         )
         _split_reduce_kernel[(shape.num_seqs, shape.num_heads)](
             out, part_max, part_sum, part_acc, seq_lens, tokens_per_split, num_splits, out.stride(0), out.stride(1),
@@ -463,27 +567,33 @@ def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, b
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None):
     """Attention of each sequence's one new query over its seq_len cached tokens, read through its block table.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]. Returns q's shape and dtype.
+    int8 / float8_e4m3fn pools: k_scale, v_scale float32 [num_blocks, num_kv_heads] (real value = stored * scale),
+    e.g. QuantizedPagedKVCache's k_scales[layer] and v_scales[layer]; None for unquantized pools.
     """
-    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return launch_paged_decode(shape, q, k_cache, v_cache, block_tables, seq_lens, out)
+    return launch_paged_decode(shape, q, k_cache, v_cache, block_tables, seq_lens, out,
+                               k_scale=k_scale, v_scale=v_scale)
 
 
-def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None):
+def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None,
+                                    k_scale=None, v_scale=None):
     """The same attention, each sequence split into num_splits ranges (chosen from batch and length when None).
 
-    Shapes as paged_attention_decode: q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype.
+    Shapes as paged_attention_decode: q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype;
+    k_scale, v_scale as there (8-bit pools only).
     """
-    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
         num_splits = choose_num_splits(shape.num_seqs, shape.num_heads, shape.max_seq_len, num_sms)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits,
+                                        k_scale=k_scale, v_scale=v_scale)

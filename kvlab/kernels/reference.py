@@ -2,17 +2,35 @@
 
 The same math as kvlab.paged_cache.paged_attention with a single query per sequence: gather the
 sequence's keys and values through its block table, then softmax(q k^T * scale) v in fp32.
+Quantized pools (int8 or fp8, Chapter 8) are dequantised right after the gather with
+kvlab.quantized_cache.dequantize: stored * the scale of each (block, KV head).
 """
 
 import torch
 
 
-def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+def gather_blocks(cache, blocks, scales=None):
+    """cache[blocks] in fp32 [n, block_size, num_kv_heads, head_dim]; 8-bit ones times scales[blocks] [n, num_kv_heads]."""
+    stored = cache[blocks]
+    if scales is None:
+        return stored.float()
+    # Imported here: kvlab.quantized_cache pulls in transformers (through kvlab.runner), which the kernels do not need.
+    from kvlab.quantized_cache import dequantize
+
+    return dequantize(stored, scales[blocks][:, None, :])  # one scale per (block, head), shared by its slots and dims
+
+
+def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None):
     """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs]. Returns q's shape and dtype.
+    int8 / fp8 pools need k_scale, v_scale [num_blocks, num_kv_heads]: real value = stored * scale.
     """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (8-bit pools) or neither")
+    if k_scale is None and k_cache.element_size() == 1:
+        raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: pass k_scale and v_scale")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     scale = head_dim ** -0.5 if scale is None else scale
@@ -21,8 +39,8 @@ def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens
         seq_len = int(seq_lens[i])
         # Only the blocks this sequence uses: the rest of its table row may name anything.
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, num_kv_heads, head_dim]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = gather_blocks(k_cache, blocks, k_scale).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = gather_blocks(v_cache, blocks, v_scale).flatten(0, 1)[:seq_len]
         # GQA: query head h reads KV head h // (num_heads // num_kv_heads).
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
