@@ -17,13 +17,19 @@ from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
-    """A model plus a continuous-batching engine; model is None (the embedded model), a name or path, or a loaded model."""
+    """A model plus a continuous-batching engine; model is None (the embedded model), a name or path, or a loaded model.
 
-    def __init__(self, model=None, tokenizer=None, **engine_args):
+    dtype and device apply when kvlab loads the model (e.g. LLM("Qwen/Qwen2.5-0.5B-Instruct", dtype=torch.float16,
+    device="cuda")); the other keyword arguments go to LLMEngine.
+    """
+
+    def __init__(self, model=None, tokenizer=None, dtype=None, device=None, **engine_args):
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
+            import torch
+
             from .model import load_model
 
-            model, loaded_tokenizer = load_model(model)
+            model, loaded_tokenizer = load_model(model, dtype=dtype or torch.float32, device=device)
             tokenizer = tokenizer or loaded_tokenizer
         self.model, self.tokenizer = model, tokenizer
         self.llm_engine = LLMEngine(model, tokenizer, **engine_args)

@@ -29,6 +29,9 @@ from .scheduler import Scheduler
 from .swap import SwapSpace
 
 
+DEFAULT_POOL_BYTES = 512 * 2**20  # the pool's size when neither num_blocks nor kv_cache_memory is given
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V one token takes in every layer of the model's cache."""
     cfg = model.config
@@ -67,7 +70,10 @@ class LLMEngine:
                                  f"({block_bytes} bytes), got {kv_cache_memory!r}")
             num_blocks = kv_cache_memory // block_bytes
         elif num_blocks is None:
-            num_blocks = max_num_seqs * num_blocks_needed(self.max_model_len, block_size)
+            # Room for max_num_seqs full-length sequences, but never more than DEFAULT_POOL_BYTES (a 32k-context
+            # model would otherwise ask for gigabytes) and never less than one full-length sequence.
+            full = num_blocks_needed(self.max_model_len, block_size)
+            num_blocks = max(full, min(max_num_seqs * full, DEFAULT_POOL_BYTES // block_bytes))
         _positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
@@ -84,6 +90,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}       # every request ever added, children of n > 1 included
         self.parents: dict[str, list[str]] = {}      # user request id -> its child request ids (in order)
         self.step_count = 0
+        self.num_tokens_computed = 0                 # token positions run through the model, recomputes included
         self.history: list[dict] = []                # one entry per step, for the timeline widget
         self._arrivals = 0
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -184,6 +191,7 @@ class LLMEngine:
         prefills = [s.request.request_id for s in sched.scheduled
                     if not (s.request.output_token_ids and s.request.num_tokens_to_compute == 1)]
         if sched.scheduled:
+            self.num_tokens_computed += sched.num_batched_tokens
             logits = self.runner.execute(sched, self.kv_cache_manager.block_tables)
             rows, params, gens, reqs = [], [], [], []
             for row, s in enumerate(sched.scheduled):

@@ -37,6 +37,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0         # tokens whose K/V are in the cache
         self.num_preemptions = 0
+        self.recompute_until = 0             # tokens whose K/V a recompute preemption threw away
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
 
     @property

@@ -60,7 +60,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.cpu_blocks: dict[str, list[int]] = {}  # swapped request -> its CPU block ids
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # tokens that had K/V once and were run through the model again
+        self.num_recomputed_tokens = 0  # tokens that had K/V once, lost them to preemption and ran again
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -106,6 +106,8 @@ class Scheduler:
 
     def _allocate(self, request: Request, n: int, computed_blocks=()) -> list[int]:
         start = request.num_computed_tokens
+        # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
+        self.num_recomputed_tokens += max(0, min(start + n, request.recompute_until) - start)
         return self.kv.allocate_slots(request.request_id, n, computed_blocks,
                                       new_token_ids=request.all_token_ids[start:start + n])
 
@@ -116,8 +118,6 @@ class Scheduler:
         n = min(request.num_tokens - num_cached, budget)
         if self.kv.num_blocks_to_allocate(request.request_id, n, hits) > self.kv.num_free_blocks:
             return None
-        if request.status == RequestStatus.PREEMPTED:
-            self.num_recomputed_tokens += n
         request.num_computed_tokens = num_cached
         scheduled = ScheduledRequest(request, n, self._allocate(request, n, hits))
         request.status = RequestStatus.RUNNING
@@ -166,6 +166,7 @@ class Scheduler:
                 return
             # The CPU pool is full: fall back to recompute, as vLLM's V0 did.
         self.kv.free(rid)
+        request.recompute_until = max(request.recompute_until, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)

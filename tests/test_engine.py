@@ -295,3 +295,28 @@ def test_fuzz_random_traces(tiny, tiny_refs, seed):
         else:
             assert got.token_ids == ref, f"{rid} differs from generate with {kwargs}"
     assert_pool_empty(engine)
+
+
+def test_recompute_counts_only_lost_tokens(embedded):
+    model, tokenizer = embedded
+    engine = LLMEngine(model, tokenizer, block_size=8, num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32,
+                       enable_prefix_caching=False)
+    for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+        engine.add_request(i, p, greedy(n))
+    while engine.has_unfinished_requests():
+        engine.step()
+    useful = sum(len(tokenizer(p)["input_ids"]) + n - 1 for p, n in zip(PROMPTS, MAX_TOKENS))
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_tokens_computed == useful + engine.scheduler.num_recomputed_tokens, (
+        "every token position runs once, plus once more for each one a recompute preemption threw away")
+
+
+def test_default_pool_is_capped(embedded, monkeypatch):
+    import kvlab.llm_engine
+
+    model, tokenizer = embedded
+    engine = LLMEngine(model, tokenizer, max_num_seqs=4)
+    assert engine.num_blocks == 4 * 256 // 16, "four full contexts of the small model fit under the cap"
+    monkeypatch.setattr(kvlab.llm_engine, "DEFAULT_POOL_BYTES", 1 << 20)
+    big = LLMEngine(model, tokenizer, max_num_seqs=1000)
+    assert big.num_blocks * big.block_bytes <= 1 << 20 and big.num_blocks == 16
