@@ -164,7 +164,7 @@ class Scheduler:
                 self.swapped.appendleft(request)
                 out.swapped_out.append(rid)
                 return
-            # The CPU pool is full: fall back to recompute, as vLLM's V0 did.
+            # The CPU pool is full: kvlab falls back to recompute (vLLM's V0 stopped with an error instead).
         self.kv.free(rid)
         request.recompute_until = max(request.recompute_until, request.num_computed_tokens)
         request.num_computed_tokens = 0
