@@ -61,8 +61,10 @@ def check_close(name: str, yours, expected, atol: float = 1e-5, rtol: float = 1e
         _fail(name, yours, expected, hint, f"Shapes differ: {tuple(yours.shape)} vs {tuple(expected.shape)}.")
     diff = (yours.double() - expected.double()).abs()
     if not torch.allclose(yours.double(), expected.double(), atol=atol, rtol=rtol) or diff.isnan().any():
-        index = tuple(int(i) for i in torch.nonzero(diff == diff.nan_to_num(float("inf")).max())[0]) if diff.numel() else ()
-        _fail(name, yours, expected, hint, f"Largest difference {diff.nan_to_num(float('inf')).max().item():.3g} at index {index} (tolerance {atol} + {rtol}·|expected|).")
+        worst = diff.nan_to_num(nan=float("inf"))  # a NaN counts as the largest possible difference
+        index = tuple(int(i) for i in torch.nonzero(worst == worst.max())[0]) if diff.numel() else ()
+        largest = worst.max().item() if diff.numel() else 0.0
+        _fail(name, yours, expected, hint, f"Largest difference {largest:.3g} at index {index} (tolerance {atol} + {rtol}·|expected|).")
     _passed(name)
 
 

@@ -71,3 +71,15 @@ def test_limited_output_fails_a_flood_and_replays_normal_output(capsys):
     with limited_output(1000):
         print("short")
     assert "short" in capsys.readouterr().out
+
+
+def test_check_close_reports_nan_where_it_is():
+    """A NaN in the learner's tensor is reported with its index, not a crash inside the check."""
+    import pytest
+    import torch
+
+    from kvlab.checks import check_close
+
+    yours = torch.tensor([[1.0, float("nan")], [0.0, 2.0]])
+    with pytest.raises(AssertionError, match=r"Largest difference inf at index \(0, 1\)"):
+        check_close("nan", yours, torch.ones(2, 2))

@@ -7,7 +7,9 @@ runs the real pipeline (Triton IR, LLVM IR, PTX, then the ptxas bundled with tri
 GPU and no driver.
 
 The kernels are rebuilt as compiled JITFunctions from their Python source even when
-kvlab.kernels was imported with the interpreter on (the default on a machine without CUDA).
+kvlab.kernels was imported with the interpreter on (the default on a machine without CUDA). Compile in
+a fresh process (`python -m kvlab.kernels.aot`, as the CI test does): once a kernel has run in the
+interpreter, Triton leaves triton.language patched for it and compiling in that process fails.
 
 Besides fp32 / fp16 / bf16 pools, the decode and split-KV kernels are compiled for quantized pools
 (QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89 on,
