@@ -271,6 +271,18 @@ def _grid(widget) -> list[tuple]:
         "els => els.map(e => [e.dataset.block, e.dataset.owner, e.dataset.fill])")
 
 
+def _open_and_run_all(browser, server: JupyterLab, rel_path: str, width: int):
+    """Open the notebook in JupyterLab, Run All, and return (page, the executed notebook) once no cell raised."""
+    server.wait_ready()
+    page = browser.new_page(viewport={"width": width, "height": 1100})
+    page.goto(f"{server.url}/lab/tree/{rel_path}?reset&token={server.token}")
+    page.locator(".jp-NotebookPanel .jp-CodeCell").first.wait_for(timeout=WIDGET_S * 1000)
+    _run_all(page, server, rel_path)
+    nb = _wait_until_executed(page)
+    _check_no_errors(nb)
+    return page, nb
+
+
 def test_block_map_renders_and_steps_in_jupyterlab(chromium, notebook_path, jupyterlab, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -279,14 +291,7 @@ def test_block_map_renders_and_steps_in_jupyterlab(chromium, notebook_path, jupy
         # The browser starts while the server boots.
         browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_FLAGS)
         try:
-            jupyterlab.wait_ready()
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(f"{jupyterlab.url}/lab/tree/{rel_path}?reset&token={jupyterlab.token}")
-            page.locator(".jp-NotebookPanel .jp-CodeCell").first.wait_for(timeout=WIDGET_S * 1000)
-
-            _run_all(page, jupyterlab, rel_path)
-            nb = _wait_until_executed(page)
-            _check_no_errors(nb)
+            page, nb = _open_and_run_all(browser, jupyterlab, rel_path, width=1500)
 
             widget = page.locator(".kvlab-block-map-widget").first
             drawing = widget.locator(".kvlab-block-map")
@@ -359,13 +364,7 @@ def test_timeline_renders_and_steps_in_jupyterlab(chromium, jupyterlab, tmp_path
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_FLAGS)
         try:
-            jupyterlab.wait_ready()
-            page = browser.new_page(viewport={"width": 1600, "height": 1100})
-            page.goto(f"{jupyterlab.url}/lab/tree/{rel_path}?reset&token={jupyterlab.token}")
-            page.locator(".jp-NotebookPanel .jp-CodeCell").first.wait_for(timeout=WIDGET_S * 1000)
-            _run_all(page, jupyterlab, rel_path)
-            nb = _wait_until_executed(page)
-            _check_no_errors(nb)
+            page, nb = _open_and_run_all(browser, jupyterlab, rel_path, width=1600)
 
             widget = page.locator(".kvlab-timeline-widget").first
             timeline = widget.locator(".kvlab-timeline")
