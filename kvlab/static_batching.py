@@ -14,7 +14,7 @@ from .llm_engine import LLMEngine
 from .batched_attention import BatchedPagedKVCache
 from .paged_cache import BatchLayout
 from .paging import num_blocks_needed
-from .request import Request, RequestOutput, RequestStatus
+from .request import Request, RequestOutput
 from .runner import forward
 from .sampler import sample
 from .sampling_params import SamplingParams
