@@ -4,7 +4,7 @@ Reproduces the idea of Figure 2 of the vLLM paper (Kwon et al., SOSP 2023): repl
 ``assets/traces/chat.csv`` against Orca-style contiguous reservations (Max, Pow2, Oracle) and
 against paged allocation at several block sizes, and print which share of the *used* KV memory
 holds token states, is reserved for future tokens, or is lost to internal or external
-fragmentation, next to the paper's numbers. Definitions: ``kvlab.memory_sim``'s docstring.
+fragmentation, next to the paper's numbers. Definitions: ``kvlab.analysis.memory_sim``'s docstring.
 
 Run from the repository root (about a second)::
 
@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
-from kvlab.memory_sim import SimResult, simulate  # noqa: E402
-from kvlab.traces import load_trace  # noqa: E402
+from kvlab.analysis.memory_sim import SimResult, simulate  # noqa: E402
+from kvlab.analysis.traces import load_trace  # noqa: E402
 
 # Figure 2 of the paper, in percent of used KV memory: tokens, reserved, internal, external.
 PAPER: dict[str, tuple[float | None, ...]] = {

@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("skipped: no CUDA GPU here. This benchmark times compiled Triton kernels; on a CPU the kernels run "
-              "in Triton's interpreter, which says nothing about speed (python -m pytest tests/test_paged_attention_kernel.py "
+              "in Triton's interpreter, which says nothing about speed (python -m pytest tests/kernels/test_paged_attention_kernel.py "
               "checks them there, and python -m kvlab.kernels.aot compiles them for sm_75/80/90).")
         return 0
     try:

@@ -7,7 +7,7 @@ mix of short and long requests is kept; the longest few are clipped), prompts cu
 requests submitted at once (offline throughput, as vLLM's throughput benchmark does). Systems:
 
   kvlab continuous   kvlab.LLM: continuous batching, chunked prefill, paged cache (this chapter)
-  kvlab static       kvlab.static_batching.StaticBatchingEngine: batches of BATCH that wait for
+  kvlab static       kvlab.baselines.static_batching.StaticBatchingEngine: batches of BATCH that wait for
                      their longest member, on the same ragged forward pass
   hf padded          transformers `generate` on left-padded batches of BATCH (sdpa attention,
                      DynamicCache), each batch running to its longest member's output length
@@ -54,7 +54,7 @@ def peak_rss_mib() -> float:
 
 def workload(count: int, tokenizer):
     from kvlab.paths import ASSETS_DIR
-    from kvlab.traces import load_trace, prompts_from_text, scale_to_context
+    from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
 
     fitted = scale_to_context(load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count], MAX_TOKENS)
     text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text()
@@ -64,7 +64,7 @@ def workload(count: int, tokenizer):
 
 def run_kvlab(model, tokenizer, prompts, lengths, batch, pool_blocks, continuous: bool, progress: bool, max_seqs: int):
     from kvlab import LLM, SamplingParams
-    from kvlab.static_batching import StaticBatchingEngine
+    from kvlab.baselines.static_batching import StaticBatchingEngine
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     if continuous:

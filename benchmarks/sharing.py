@@ -5,12 +5,12 @@ REQUESTS requests, each scaled to the embedded model's 256-token context with it
 ratio kept (prompt + output <= 240 tokens), with prompts cut from the shipped Shakespeare text. For
 each request, with block size 16, it measures:
 
-(a) parallel sampling, n = 2, 4, 6 (kvlab.parallel_sampling.sample_n): distinct blocks the n samples
+(a) parallel sampling, n = 2, 4, 6 (kvlab.decoding.parallel_sampling.sample_n): distinct blocks the n samples
     hold at the end with copy-on-write sharing, against n sequences each owning its own copy;
-(b) beam search, widths 2, 4, 8 (kvlab.beam_search.beam_search, its `stats` dict): peak used blocks
+(b) beam search, widths 2, 4, 8 (kvlab.decoding.beam_search.beam_search, its `stats` dict): peak used blocks
     with sharing against k beams of the final length each owning its blocks;
 (c) vLLM V1's strategy for the parallel-sampling case: n separate requests whose prompt is shared
-    through prefix caching (kvlab.kv_cache_manager.KVCacheManager replayed with the samples' tokens):
+    through prefix caching (kvlab.core.kv_cache_manager.KVCacheManager replayed with the samples' tokens):
     blocks held, block copies (none) and prompt tokens recomputed because only full blocks are cached
     and the last prompt token is always recomputed.
 
@@ -36,11 +36,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 from tqdm import tqdm  # noqa: E402
 
 from kvlab import load_model  # noqa: E402
-from kvlab.beam_search import beam_search  # noqa: E402
-from kvlab.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvlab.parallel_sampling import sample_n  # noqa: E402
+from kvlab.decoding.beam_search import beam_search  # noqa: E402
+from kvlab.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from kvlab.decoding.parallel_sampling import sample_n  # noqa: E402
 from kvlab.paths import ASSETS_DIR  # noqa: E402
-from kvlab.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
+from kvlab.analysis.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 240  # prompt + output of a scaled request: fits the embedded model's 256-token context

@@ -1,23 +1,28 @@
 """kvlab: a hands-on course on how LLM serving systems manage the KV cache, the way vLLM does it.
 
-The modules follow the chapters:
-  Chapter 1  kv_size (bytes per token), attention (reference causal attention), runner (the hook
-             that lets a transformers model run on kvlab's cache), naive_cache, generate, model
-  Chapter 2  contiguous (first-fit arena, Max/Pow2/Oracle reservations), traces, memory_sim
-  Chapter 3  paging (block tables, slot mapping, BlockManager), paged_cache (K/V pools, gather
-             attention), paged_generate (several sequences on one pool), widgets (the block map)
-  Chapter 4  block_pool (ref counts, LRU free queue), prefix_cache (block-hash chain),
-             kv_cache_manager (per-request blocks and cache hits), prefix_generate, chat_prompts
-  Chapter 5  fork (fork and copy-on-write over the block pool), beam_search (equal to transformers'
-             beam search), parallel_sampling (n samples sharing one prefill)
-  Chapter 6  sampling_params (SamplingParams, BeamSearchParams), request, sampler, swap (the CPU
-             block pool), scheduler (token budget, chunked prefill, preemption), model_runner (one
-             ragged forward per step), batched_attention (a step's decodes in one batch),
-             llm_engine (LLMEngine), llm (LLM), static_batching (the baseline), widgets.timeline
-  Chapter 7  kernels (the Triton paged decode kernel, its split-KV variant, a torch reference,
-             ahead-of-time compilation for GPUs that are not here)
-  Chapter 8  quantized_cache (int8 / fp8 K and V with per-block scales), vllm_bridge (kvlab's knobs
-             in vLLM's names, the KV blocks vLLM would allocate, its start-up errors explained)
+The package is layered as vLLM V1 is; each layer imports only the ones above it in this list
+(tests/test_import_layers.py checks it):
+
+  analysis/   torch-free sizing and simulation: kv_size (bytes per token; Ch 1), contiguous, traces,
+              memory_sim (Ch 2), chat_prompts (Ch 4), vllm_bridge (Ch 8)
+  core/       block bookkeeping in plain Python, no tensors (vLLM's v1/core): paging (block tables,
+              slot mapping, BlockManager; Ch 3), block_pool, prefix_cache (the block-hash chain),
+              kv_cache_manager (Ch 4), fork (copy-on-write; Ch 5), block_views (the block map's data)
+  model/      loader (load_model), config (context length, EOS ids), attention_hook (the hook that
+              lets a transformers model run on kvlab's caches; Ch 1)
+  kernels/    the Triton paged decode kernel, its split-KV variant, a torch reference and ahead-of-time
+              compilation (Ch 7)
+  cache/      K/V tensors and the attention that reads them: attention, naive_cache (Ch 1),
+              paged_cache (Ch 3), batched_attention (Ch 6), quantized_cache (Ch 8), swap (Ch 6)
+  decoding/   the chapters' own loops: generate (Ch 1), paged_generate (Ch 3), prefix_generate (Ch 4),
+              beam_search, parallel_sampling (Ch 5)
+  engine/     the serving engine (Ch 6): sampling_params, request, scheduler, sampler, model_runner,
+              llm_engine (LLMEngine), llm (LLM)
+  baselines/  what kvlab is measured against: transformers_generate (the oracles), static_batching
+  widgets/    the block map and the timeline; they draw plain data and nothing imports them but notebooks
+
+At the top: paths, quantization (the 8-bit KV formats in plain torch; Ch 8), checks (the notebooks'
+checks).
 """
 
 __version__ = "0.1.0"
@@ -28,15 +33,15 @@ __all__ = ["load_model", "LLM", "SamplingParams", "BeamSearchParams", "__version
 def __getattr__(name):
     # Imported on first use so that torch-free chapters (the memory simulator) start fast.
     if name == "load_model":
-        from .model import load_model
+        from kvlab.model.loader import load_model
 
         return load_model
     if name == "LLM":
-        from .llm import LLM
+        from kvlab.engine.llm import LLM
 
         return LLM
     if name in ("SamplingParams", "BeamSearchParams"):
-        from . import sampling_params
+        from kvlab.engine import sampling_params
 
         return getattr(sampling_params, name)
     raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

@@ -40,7 +40,7 @@ from . import paged_attention as pa
 
 # Triton's names for the element types of q, the caches and the output.
 DTYPES = ("fp32", "fp16", "bf16")
-# Quantized pools, by kvlab.quantized_cache's kv_cache_dtype name: Triton's element type for a pointer to them.
+# Quantized pools, by kvlab.cache.quantized_cache's kv_cache_dtype name: Triton's element type for a pointer to them.
 KV_DTYPES = {"int8": "i8", "fp8": "fp8e4nv"}
 
 

@@ -16,7 +16,7 @@ Two kernels compute it:
                            With a batch of one and 32 heads the one-pass grid has 32 programs for a
                            GPU of 132 SMs; splitting a 32k context 17 ways gives each SM about four.
 
-Quantized pools (Chapter 8's kvlab.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
+Quantized pools (Chapter 8's kvlab.cache.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
 with one float32 scale per (physical block, KV head) for K and one for V, k_scale and v_scale
 [num_blocks, num_kv_heads]. The kernels load the 8-bit values, convert them to fp32 and multiply each position
 by its block's scale right after the load (real value = stored * scale), so everything after the loads is
@@ -311,7 +311,7 @@ class PagedDecodeShape:
 
 def quantized_cache_dtypes() -> tuple[torch.dtype, ...]:
     """Pool dtypes read with k_scale / v_scale: int8, and torch.float8_e4m3fn where this torch has it (2.1+)."""
-    # Looked up at call time, like kvlab.quantized_cache does, so a torch without float8 is told so clearly.
+    # Looked up at call time, like kvlab.cache.quantized_cache does, so a torch without float8 is told so clearly.
     fp8 = getattr(torch, "float8_e4m3fn", None)
     return (torch.int8,) if fp8 is None else (torch.int8, fp8)
 

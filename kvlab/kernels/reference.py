@@ -1,12 +1,14 @@
 """Chapter 7's spec: paged decode attention in plain torch, one sequence at a time, to check the kernels against.
 
-The same math as kvlab.paged_cache.paged_attention with a single query per sequence: gather the
+The same math as kvlab.cache.paged_cache.paged_attention with a single query per sequence: gather the
 sequence's keys and values through its block table, then softmax(q k^T * scale) v in fp32.
 Quantized pools (int8 or fp8, Chapter 8) are dequantised right after the gather with
-kvlab.quantized_cache.dequantize: stored * the scale of each (block, KV head).
+kvlab.quantization.dequantize: stored * the scale of each (block, KV head).
 """
 
 import torch
+
+from kvlab.quantization import dequantize
 
 
 def gather_blocks(cache, blocks, scales=None):
@@ -14,9 +16,6 @@ def gather_blocks(cache, blocks, scales=None):
     stored = cache[blocks]
     if scales is None:
         return stored.float()
-    # Imported here: kvlab.quantized_cache pulls in transformers (through kvlab.runner), which the kernels do not need.
-    from kvlab.quantized_cache import dequantize
-
     return dequantize(stored, scales[blocks][:, None, :])  # one scale per (block, head), shared by its slots and dims
 
 

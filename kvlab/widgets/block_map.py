@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 import ipywidgets as widgets
 
+from kvlab.core.block_views import block_owners, counters_for
+
 # Okabe and Ito's palette: distinguishable with the common colour-vision deficiencies.
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
 FREE_COLOUR = "#e8e8e8"
@@ -48,21 +50,6 @@ def seq_colour(seq_id) -> str:
     """The palette colour of a sequence; stable for ids of any type."""
     index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
     return PALETTE[index % len(PALETTE)]
-
-
-def counters_for(blocks: list[dict], block_size: int, step: int) -> dict:
-    """The counters line for a list of snapshot blocks: used/free blocks, tokens, slot use."""
-    used = [b for b in blocks if _owners(b)]
-    tokens = sum(b.get("fill", 0) for b in used)
-    slots = len(used) * block_size
-    return {
-        "step": step,
-        "num_blocks": len(blocks),
-        "used_blocks": len(used),
-        "free_blocks": len(blocks) - len(used),
-        "tokens_stored": tokens,
-        "slot_utilization": tokens / slots if slots else 0.0,
-    }
 
 
 def snapshot(engine) -> dict:
@@ -92,13 +79,6 @@ def _counters(snap: dict) -> dict:
     return snap.get("counters") or counters_for(snap["blocks"], snap["block_size"], snap.get("step", 0))
 
 
-def _owners(block: dict) -> list:
-    owners = block.get("owners")
-    if owners:
-        return list(owners)
-    return [] if block.get("owner") is None else [block["owner"]]
-
-
 def _esc(value) -> str:
     return html.escape(str(value), quote=True)
 
@@ -115,7 +95,7 @@ def _stripes(colours: list[str]) -> str:
 
 
 def _block_html(block: dict, block_size: int) -> str:
-    owners = _owners(block)
+    owners = block_owners(block)
     fill = int(block.get("fill", 0))
     cached = bool(block.get("cached")) and not owners
     ref_count = block.get("ref_count")
@@ -186,7 +166,7 @@ def _sequence_html(seq: dict, blocks_by_id: dict, decode: Callable | None) -> st
     table = seq.get("block_table", [])
     cells = []
     for logical, block_id in enumerate(table):
-        shared = len(_owners(blocks_by_id.get(block_id, {}))) > 1
+        shared = len(block_owners(blocks_by_id.get(block_id, {}))) > 1
         hover = f"logical block {logical} → physical block {block_id}" + (" (shared)" if shared else "")
         cells.append(
             f'<span title="{_esc(hover)}" style="display:inline-block;margin:1px;padding:0 3px;border-radius:3px;'

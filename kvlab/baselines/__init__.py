@@ -1,0 +1,1 @@
+"""What kvlab is measured against: transformers' own generate and beam search, and static batching."""

@@ -1,0 +1,105 @@
+"""Chapter 6's baseline: static batching, where a batch is admitted together and leaves together.
+
+Requests are taken in order, batch_size at a time. Each member reserves blocks for the batch's
+longest possible sequence up front (what a padded [batch, max_len] cache holds), the batch prefills
+in one pass and then decodes every member at every step until its longest member is done: a member
+that finished early keeps computing (its tokens are thrown away, as padded batches do) and no new
+request can take its place. The passes are the same ragged ones, on the same cache (decodes attended
+in one batch), that the continuous engine runs, so the comparison measures scheduling alone.
+"""
+
+import torch
+
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.cache.batched_attention import BatchedPagedKVCache
+from kvlab.cache.paged_cache import BatchLayout
+from kvlab.core.paging import num_blocks_needed
+from kvlab.engine.request import Request, RequestOutput
+from kvlab.model.attention_hook import forward
+from kvlab.engine.sampler import sample
+from kvlab.engine.sampling_params import SamplingParams
+
+
+class StaticBatchingEngine:
+    """Fixed-size batches that wait for their longest member; `generate` has LLM.generate's shape."""
+
+    def __init__(self, model, tokenizer=None, batch_size: int = 8, block_size: int = 16, seed: int = 0):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.block_size = batch_size, block_size
+        # An engine only for its request checks, token handling and cache; its scheduler is never used.
+        self._engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=1, max_num_seqs=batch_size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tokens_computed = 0      # token positions run through the model, wasted ones included
+        self.tokens_wasted = 0        # decode positions of members that had already finished
+        self.peak_reserved_blocks = 0
+        self.num_forward_passes = 0
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order."""
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if any(p.n != 1 for p in params):
+            raise ValueError("the static-batching baseline serves n = 1 only")
+        engine = self._engine
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = engine._token_ids(prompt)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: give at least one token")
+            if len(ids) + p.max_tokens > engine.max_model_len:
+                raise ValueError(f"prompt {i}: {len(ids)} tokens plus max_tokens {p.max_tokens} exceed max_model_len {engine.max_model_len}")
+            requests.append(Request(str(i), ids, p, i, engine.eos_token_id, text))
+        for start in range(0, len(requests), self.batch_size):
+            self._run_batch(requests[start:start + self.batch_size])
+        outputs = []
+        for r in requests:
+            engine.requests[r.request_id] = r
+            engine.parents[r.request_id] = [r.request_id]
+            outputs.append(engine.output(r.request_id))
+            del engine.requests[r.request_id], engine.parents[r.request_id]
+        return outputs
+
+    def _run_batch(self, batch: list[Request]) -> None:
+        engine, size = self._engine, self.block_size
+        # The padded cache of a batch: every member gets room for the longest prompt plus the most new tokens.
+        reserved = max(len(r.prompt_token_ids) for r in batch) + max(r.params.max_tokens for r in batch)
+        limit = min(reserved, engine.max_model_len)
+        per_member = num_blocks_needed(reserved, size)
+        cache = BatchedPagedKVCache.for_model(self.model, per_member * len(batch), size)
+        self.peak_reserved_blocks = max(self.peak_reserved_blocks, per_member * len(batch))
+        tables = [list(range(i * per_member, (i + 1) * per_member)) for i in range(len(batch))]
+        members = list(range(len(batch)))           # who computes in the next pass
+        feed = [list(r.prompt_token_ids) for r in batch]  # the tokens each member feeds next
+        lens = [0] * len(batch)                      # tokens each member has in the cache
+        while members:
+            ids, positions, slots, query_lens = [], [], [], []
+            for i in members:
+                new = feed[i]
+                ids += new
+                positions += range(lens[i], lens[i] + len(new))
+                slots += [tables[i][p // size] * size + p % size for p in range(lens[i], lens[i] + len(new))]
+                query_lens.append(len(new))
+                lens[i] += len(new)
+            cache.set_batch(BatchLayout(query_lens, [lens[i] for i in members], [tables[i] for i in members],
+                                        torch.tensor(slots, dtype=torch.long)))
+            logits = forward(self.model, ids, positions, cache)
+            self.num_forward_passes += 1
+            self.tokens_computed += len(ids)
+            rows = torch.tensor(query_lens).cumsum(0) - 1
+            tokens = sample(logits[rows], [batch[i].params for i in members],
+                            [batch[i].generator or self.generator for i in members])
+            for i, t in zip(members, tokens):
+                r = batch[i]
+                if r.status.finished:
+                    self.tokens_wasted += 1
+                else:
+                    r.append_output(t, engine.max_model_len)
+                feed[i] = [t]
+            if all(r.status.finished for r in batch):
+                break
+            # Finished members keep decoding until the longest member is done, as long as their padded row has room.
+            members = [i for i in members if lens[i] < limit]

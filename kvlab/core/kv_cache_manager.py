@@ -1,0 +1,189 @@
+"""Chapter 4's KV cache manager: per-request block tables on a reference-counted pool, with prefix caching.
+
+Admitting a request is two calls:
+
+    blocks, num_cached_tokens = manager.get_computed_blocks(request_id, prompt_ids)
+    slots = manager.allocate_slots(request_id, len(prompt_ids) - num_cached_tokens,
+                                   computed_blocks=blocks, new_token_ids=prompt_ids[num_cached_tokens:])
+
+and only the uncached suffix goes through the model. A hit is capped at (len(prompt) - 1) // block_size
+blocks, so at least the last prompt token is always computed: the model needs its logits to sample the
+first output token. When a prompt of k full blocks is cached entirely, the hit is therefore k - 1
+blocks and the whole last block (block_size tokens) is recomputed into a fresh block.
+"""
+
+from collections.abc import Hashable, Sequence
+
+from kvlab.core.block_pool import BlockPool, KVCacheBlock
+from kvlab.core.paging import check_block_size, num_blocks_needed
+from kvlab.core.prefix_cache import hash_block_tokens
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class KVCacheManager:
+    """Block tables of running requests over one BlockPool; full blocks are cached by prefix hash."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = check_block_size(block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[object, list[KVCacheBlock]] = {}
+        self.num_tokens: dict[object, int] = {}
+        self.num_cached_tokens: dict[object, int] = {}
+        # To hash a block when it fills, keep each request's chain of full-block hashes and the
+        # tokens of its partly filled last block.
+        self._req_hashes: dict[object, list[bytes]] = {}
+        self._req_tail: dict[object, list[int]] = {}
+        self._req_extra_keys: dict[object, Hashable | None] = {}
+        self.queries = 0  # prompt tokens of admitted requests
+        self.hits = 0     # of which were served from the cache
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def block_tables(self) -> dict[object, list[int]]:
+        """Request id -> its physical block ids, in logical order."""
+        return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted prompt tokens whose K/V came from the cache."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        """Prompt tokens the model did not have to run thanks to cache hits."""
+        return self.hits
+
+    def get_computed_blocks(self, request_id, token_ids: Sequence[int],
+                            extra_keys: Hashable | None = None) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks from the prompt's start, and the tokens they cover (changes nothing).
+
+        The run stops one token short of the prompt, so the last token is always recomputed.
+        """
+        if request_id in self.req_to_blocks:
+            raise ValueError(f"request {request_id!r} is already running: only a new request looks up the cache")
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        parent = None
+        for i in range(max_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], extra_keys)
+            block = self.block_pool.get_cached_block(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_to_allocate(self, request_id, num_new_tokens: int,
+                               computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+        """Blocks allocate_slots would take from the free queue: new ones plus free cached hits."""
+        held = self.req_to_blocks.get(request_id, [])
+        total = self.num_tokens.get(request_id, 0) + len(computed_blocks) * self.block_size + num_new_tokens
+        new = num_blocks_needed(total, self.block_size) - len(held) - len(computed_blocks)
+        free_hits = {b.block_id for b in computed_blocks if b.ref_cnt == 0}
+        return new + len(free_hits)
+
+    def allocate_slots(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
+                       new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None) -> list[int]:
+        """Grow a request by num_new_tokens after its computed blocks; returns the new tokens' slots.
+
+        A new request first takes a reference to its cache hits; blocks come from the pool only as the
+        last one fills, and every block that is now full gets cached under its prefix hash. With prefix
+        caching on, new_token_ids (the tokens being added) are required to hash those blocks.
+        """
+        _check_count("num_new_tokens", num_new_tokens, 1)
+        computed_blocks = list(computed_blocks)
+        is_new = request_id not in self.req_to_blocks
+        # Check everything before changing anything, so a failed call leaves the manager as it was.
+        if computed_blocks and not is_new:
+            raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
+        if new_token_ids is not None and len(new_token_ids) != num_new_tokens:
+            raise ValueError(f"{len(new_token_ids)} new token ids for {num_new_tokens} new tokens")
+        if self.enable_prefix_caching and new_token_ids is None:
+            raise ValueError("prefix caching needs new_token_ids to hash the blocks that fill up")
+        for block in computed_blocks:
+            if block.block_hash is None or self.block_pool.get_cached_block(block.block_hash) is not block:
+                raise ValueError(f"computed block {block.block_id} of request {request_id!r} is no longer cached "
+                                 f"(evicted since get_computed_blocks?)")
+        needed = self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks)
+        if needed > self.num_free_blocks:
+            raise MemoryError(f"request {request_id!r} needs {needed} more blocks but only {self.num_free_blocks} are free")
+
+        if is_new:
+            # Touch hits before taking new blocks, so the new ones cannot evict them.
+            self.block_pool.touch(computed_blocks)
+            self.req_to_blocks[request_id] = list(computed_blocks)
+            self.num_tokens[request_id] = len(computed_blocks) * self.block_size
+            self.num_cached_tokens[request_id] = self.num_tokens[request_id]
+            self._req_hashes[request_id] = [b.block_hash for b in computed_blocks]
+            self._req_tail[request_id] = []
+            self._req_extra_keys[request_id] = extra_keys
+            self.queries += self.num_tokens[request_id] + num_new_tokens
+            self.hits += self.num_tokens[request_id]
+        blocks = self.req_to_blocks[request_id]
+        start = self.num_tokens[request_id]
+        end = start + num_new_tokens
+        blocks.extend(self.block_pool.get_new_blocks(num_blocks_needed(end, self.block_size) - len(blocks)))
+        self.num_tokens[request_id] = end
+        if self.enable_prefix_caching:
+            self._cache_filled_blocks(request_id, new_token_ids)
+        size = self.block_size
+        return [blocks[p // size].block_id * size + p % size for p in range(start, end)]
+
+    def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
+        hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]
+        first_new = len(hashes)
+        tail.extend(int(t) for t in new_token_ids)
+        while len(tail) >= self.block_size:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tail[:self.block_size], self._req_extra_keys[request_id]))
+            del tail[:self.block_size]
+        blocks = self.req_to_blocks[request_id]
+        self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
+
+    def block_views(self, hit_blocks=frozenset()) -> list[dict]:
+        """Every block as the block map's plain data: owners, fill, ref count, cached, hash, hit (see kvlab.widgets)."""
+        size = self.block_size
+        blocks = []
+        for block in self.block_pool.blocks:
+            cached = block.block_hash is not None and block.ref_cnt == 0
+            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
+                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+            if block.block_hash is not None:
+                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
+                entry["note"] = f"hash {digest[:4]}…"
+            if block.block_id in hit_blocks:
+                entry["hit"] = True
+            blocks.append(entry)
+        # req_to_blocks is in admission order, so the first owner listed is the first request that held the block.
+        for rid, table in self.req_to_blocks.items():
+            stored = self.num_tokens[rid]
+            for logical, block in enumerate(table):
+                entry = blocks[block.block_id]
+                if entry["owner"] is None:
+                    entry.update(owner=rid, logical=logical)
+                entry["owners"].append(rid)
+                entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
+        return blocks
+
+    def free(self, request_id) -> None:
+        """Drop the request's references, last block first, so its tail is evicted before its shared prefix."""
+        if request_id not in self.req_to_blocks:
+            raise KeyError(f"request {request_id!r} holds no blocks: it is unknown or was already freed")
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id)))
+        for table in (self.num_tokens, self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys):
+            del table[request_id]

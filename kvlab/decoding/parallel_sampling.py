@@ -1,0 +1,85 @@
+"""Chapter 5's parallel sampling: n samples of one prompt, forked from a single prefill.
+
+The prompt is prefilled once; its n samples are forks of that sequence, so they share every prompt
+block. Full blocks stay shared for the whole generation; the partly filled last prompt block is
+copied (copy-on-write) by all samples but the last one to write into it, which keeps the original.
+Sampling draws from a torch.Generator seeded per call: the same seed gives the same samples.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.paged_cache import copy_blocks
+from kvlab.core.fork import CowBlockManager
+from kvlab.model.config import as_token_ids, check_fits_context
+from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
+from kvlab.model.attention_hook import forward
+
+
+@dataclass
+class ParallelSamples:
+    """The n samples' new tokens, and the blocks they held at the end with sharing and without."""
+
+    outputs: list[list[int]]
+    blocks_with_sharing: int      # distinct blocks held by the n samples at the end
+    blocks_without_sharing: int   # blocks n independent copies would hold
+    shared_blocks: int            # blocks held by more than one sample at the end
+    copies: int                   # copy-on-write block copies performed
+
+
+def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0,
+             num_blocks: int | None = None, block_size: int = 16) -> ParallelSamples:
+    """n samples of max_new_tokens tokens each, at `temperature`, reproducible from `seed`."""
+    for name, value in (("n", n), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature!r}")
+    prompt = as_token_ids(prompt_ids)
+    check_fits_context(model, len(prompt), max_new_tokens)
+    P = len(prompt)
+    per_seq = -(-(P + max_new_tokens) // block_size)
+    if num_blocks is None:
+        num_blocks = n * per_seq + 1
+    manager = CowBlockManager(num_blocks, block_size)
+    cache = PagedKVCache.for_model(model, num_blocks, block_size)
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(logits):
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+
+    slots = manager.allocate("prompt", P)
+    cache.set_batch(BatchLayout([P], [P], [manager.block_table("prompt")], torch.tensor(slots, dtype=torch.long)))
+    last = forward(model, prompt, range(P), cache)[-1:]
+    outputs = [[t] for t in draw(last.expand(n, -1))]
+    for i in range(n):
+        manager.fork("prompt", i)
+    manager.free("prompt")
+    copies = 0
+    for step in range(1, max_new_tokens):
+        new_slots, orders = [], []
+        for i in range(n):
+            slot, copy = manager.append_slot(i)
+            new_slots.append(slot)
+            if copy is not None:
+                orders.append(copy)
+        copy_blocks(cache, orders)
+        copies += len(orders)
+        length = P + step
+        cache.set_batch(BatchLayout([1] * n, [length] * n, [manager.block_table(i) for i in range(n)],
+                                    torch.tensor(new_slots, dtype=torch.long)))
+        logits = forward(model, [out[-1] for out in outputs], [length - 1] * n, cache)
+        for out, token in zip(outputs, draw(logits)):
+            out.append(token)
+    tables = [manager.block_table(i) for i in range(n)]
+    counts: dict[int, int] = {}
+    for table in tables:
+        for b in table:
+            counts[b] = counts.get(b, 0) + 1
+    result = ParallelSamples(outputs, len(counts), sum(len(t) for t in tables),
+                             sum(c > 1 for c in counts.values()), copies)
+    for i in range(n):
+        manager.free(i)
+    return result

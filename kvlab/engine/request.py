@@ -1,0 +1,93 @@
+"""Chapter 6's request: its tokens, how many of them the cache holds, and where it is in the scheduler."""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"          # not admitted yet
+    RUNNING = "running"          # admitted: holds blocks, prefilling in chunks or decoding
+    PREEMPTED = "preempted"      # blocks freed (recompute): back at the front of the waiting queue
+    SWAPPED = "swapped"          # blocks copied to the CPU pool (swap): waits to be copied back
+    FINISHED_STOPPED = "finished (stop token)"
+    FINISHED_LENGTH = "finished (length)"
+    FINISHED_ABORTED = "finished (aborted)"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    """One sequence the engine serves: prompt plus outputs, of which num_computed_tokens have K/V in the cache."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 eos_token_id: int | None, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival               # order of add_request calls: breaks ties, keeps outputs in order
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0         # tokens whose K/V are in the cache
+        self.num_preemptions = 0
+        self.recompute_until = 0             # tokens whose K/V a recompute preemption threw away
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt (or of a recompute), or 1 for a decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens_to_compute > 1 or not self.output_token_ids
+
+    def append_output(self, token: int, max_model_len: int) -> None:
+        """Add a sampled token and finish the request if it hit a stop token, max_tokens or the model's length."""
+        self.output_token_ids.append(token)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request (n > 1 gives several): its new token ids and text."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    cumulative_logprob: float | None = None  # beam search: the beam's (length-penalised) score
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine returns for a request, shaped as vLLM's RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}

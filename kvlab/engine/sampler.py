@@ -1,0 +1,32 @@
+"""Chapter 6's sampler: the next token of every request in the batch, each under its own SamplingParams."""
+
+import torch
+
+from kvlab.engine.sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] with the tokens outside the top-k and outside the top-p nucleus set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens before it already reach top_p; the most likely one always stays.
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of logits [B, V]: argmax for temperature 0, else a draw from the filtered softmax."""
+    tokens = []
+    for row, p, gen in zip(logits.float().cpu(), params, generators):
+        if p.greedy:
+            tokens.append(int(row.argmax()))
+            continue
+        row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+        tokens.append(int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen)))
+    return tokens

@@ -1,0 +1,47 @@
+"""GPU checks (skipped without CUDA): the engine with the compiled Triton kernel equals generate on the GPU.
+
+Run them and the kernel benchmark on a GPU machine with `bash scripts/gpu_check.sh`.
+"""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")]
+
+PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be, or not", "KING LEAR.\nNothing will come of nothing.\n", "ROMEO.\n"]
+
+
+def test_engine_on_gpu_equals_generate():
+    from kvlab import LLM, SamplingParams, load_model
+    from kvlab.baselines.transformers_generate import reference_generate
+
+    model, tokenizer = load_model(device="cuda")
+    llm = LLM(model, tokenizer, block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    assert llm.llm_engine.cache.decode_backend == "triton", "on a GPU the engine decodes with the Triton kernel"
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ref = reference_generate(model, tokenizer(prompt)["input_ids"], 48)
+        assert out.outputs[0].token_ids == ref, f"{prompt!r}: the GPU engine differs from generate"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_kernel_long_context_on_gpu(dtype, block_size):
+    from kvlab.kernels import (paged_attention_decode, paged_attention_decode_reference,
+                               paged_attention_decode_split_kv)
+
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs sm_80 or newer (T4 is sm_75)")
+    torch.manual_seed(0)
+    seqs, heads, kv_heads, dim, context = 8, 32, 8, 128, 4096
+    blocks = seqs * context // block_size
+    k = torch.randn(blocks, block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(seqs, heads, dim, device="cuda", dtype=dtype)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, -1)
+    lens = torch.randint(1, context + 1, (seqs,), device="cuda", dtype=torch.int32)
+    ref = paged_attention_decode_reference(q, k, v, tables, lens).float()
+    for fn in (paged_attention_decode, paged_attention_decode_split_kv):
+        out = fn(q, k, v, tables, lens).float()
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
