@@ -17,8 +17,9 @@ holes that are each too small for the next request.
 from __future__ import annotations
 
 import bisect
-import numbers
 from dataclasses import dataclass
+
+from kvlab.validation import check_int, check_positive_int
 
 POLICIES: tuple[str, ...] = ("max", "pow2", "oracle")
 
@@ -36,21 +37,11 @@ class Hole:
         return self.start + self.size
 
 
-def _check_positive(name: str, value: object) -> int:
-    """Return ``value`` if it is a positive integer, else raise TypeError or ValueError."""
-    # bool is an Integral, but True as a length is always a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
 class ContiguousArena:
     """A fixed arena of ``num_slots`` token slots that hands out contiguous ranges first-fit."""
 
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = _check_positive("num_slots", num_slots)
+        self.num_slots = check_positive_int("num_slots", num_slots)
         # Two parallel lists sorted by start, so bisect finds a freed range's neighbours.
         self._hole_starts: list[int] = [0]
         self._hole_sizes: list[int] = [self.num_slots]
@@ -58,7 +49,7 @@ class ContiguousArena:
 
     def find_hole(self, size: int) -> int | None:
         """Return the start of the lowest-addressed hole with at least ``size`` slots, or None."""
-        size = _check_positive("size", size)
+        size = check_positive_int("size", size)
         for start, hole_size in zip(self._hole_starts, self._hole_sizes):
             if hole_size >= size:
                 return start
@@ -70,7 +61,7 @@ class ContiguousArena:
 
     def allocate(self, size: int) -> int | None:
         """Reserve ``size`` contiguous slots first-fit: their start, or None if no hole fits."""
-        size = _check_positive("size", size)
+        size = check_positive_int("size", size)
         if size > self.num_slots:
             raise ValueError(f"cannot allocate {size} slots in an arena of {self.num_slots}")
         for i, hole_size in enumerate(self._hole_sizes):
@@ -89,8 +80,7 @@ class ContiguousArena:
 
     def free(self, start: int) -> int:
         """Free the range that starts at ``start``, merging it with adjacent holes; return its size."""
-        if isinstance(start, bool) or not isinstance(start, numbers.Integral):
-            raise TypeError(f"start must be an int, got {type(start).__name__}")
+        start = check_int("start", start, minimum=0)
         if start not in self._allocations:
             raise ValueError(f"no allocated range starts at slot {start} (unknown or freed)")
         size = self._allocations.pop(start)
@@ -149,9 +139,9 @@ class ContiguousArena:
 
 def reservation_slots(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
     """Number of contiguous slots ``policy`` reserves for a request of the given lengths."""
-    prompt_len = _check_positive("prompt_len", prompt_len)
-    output_len = _check_positive("output_len", output_len)
-    max_model_len = _check_positive("max_model_len", max_model_len)
+    prompt_len = check_positive_int("prompt_len", prompt_len)
+    output_len = check_positive_int("output_len", output_len)
+    max_model_len = check_positive_int("max_model_len", max_model_len)
     final_len = prompt_len + output_len
     if final_len > max_model_len:
         raise ValueError(

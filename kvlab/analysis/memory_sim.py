@@ -57,6 +57,8 @@ import numpy as np
 
 from kvlab.analysis.contiguous import POLICIES, ContiguousArena, reservation_slots
 from kvlab.analysis.traces import Request
+from kvlab.validation import check_block_size, check_positive_int
+from kvlab.core.paging import num_blocks_needed
 
 ALLOCATORS: tuple[str, ...] = (*POLICIES, "paged")
 CATEGORIES: tuple[str, ...] = ("tokens", "reserved", "internal", "external", "free")
@@ -137,7 +139,7 @@ class _PagedAllocator:
         self.tail_slots = num_slots - self.num_blocks * block_size
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_needed(num_tokens, self.block_size)
 
     @property
     def usable_slots(self) -> int:
@@ -255,8 +257,7 @@ def _make_allocator(
     if allocator in POLICIES:
         return _ContiguousAllocator(allocator, num_slots, max_model_len)
     if allocator == "paged":
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_block_size(block_size)
         if block_size > num_slots:
             raise ValueError(f"block_size={block_size} exceeds num_slots={num_slots}")
         return _PagedAllocator(block_size, num_slots)
@@ -338,10 +339,8 @@ def simulate(
     max_steps: int | None = None,
 ) -> SimResult:
     """Replay ``requests`` FCFS against ``allocator`` ("max", "pow2", "oracle" or "paged")."""
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-        raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
-        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+    check_positive_int("num_slots", num_slots)
+    check_positive_int("max_model_len", max_model_len)
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"max_steps must be >= 0, got {max_steps}")
     alloc = _make_allocator(allocator, num_slots, max_model_len, block_size)

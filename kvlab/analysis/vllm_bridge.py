@@ -16,10 +16,11 @@ vLLM measures them instead, and its activation peak comes from profiling, so bot
 """
 
 import html
-import math
 from dataclasses import dataclass
 
 from kvlab.analysis.kv_size import DTYPE_BYTES, config_dict, dtype_bytes, kv_cache_bytes_per_token
+from kvlab.validation import check_number
+from kvlab.core.paging import num_blocks_needed
 
 GiB = 1024 ** 3
 
@@ -160,14 +161,6 @@ def _kv_dtype_name(config, kv_cache_dtype, dtype) -> str:
     )
 
 
-def _check_number(name: str, value, allow_zero: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
-    return value
-
-
 @dataclass(slots=True)
 class KVBlockBudget:
     """What vLLM's start-up arithmetic gives for one GPU: the pieces of memory and the blocks they leave."""
@@ -198,7 +191,7 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     kv_cache_dtype=None/'auto' stores K/V in it (default: the config's dtype).
     """
     cfg = config_dict(config)
-    _check_number("gpu_memory_bytes", gpu_memory_bytes, allow_zero=False)
+    check_number("gpu_memory_bytes", gpu_memory_bytes, allow_zero=False, what="number of bytes")
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
             or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(
@@ -208,9 +201,9 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
         raise ValueError(f"block_size must be a positive power of two (vLLM's default is 16), got {block_size!r}")
     if weights_bytes is None:
         weights_bytes = estimate_weights_bytes(cfg, dtype)
-    _check_number("weights_bytes", weights_bytes)
-    _check_number("activation_peak_bytes", activation_peak_bytes)
-    _check_number("other_bytes", other_bytes)
+    check_number("weights_bytes", weights_bytes, what="number of bytes")
+    check_number("activation_peak_bytes", activation_peak_bytes, what="number of bytes")
+    check_number("other_bytes", other_bytes, what="number of bytes")
     if max_model_len is None:
         max_model_len = int(cfg["max_position_embeddings"])
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
@@ -222,7 +215,7 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     available = int(usable - weights_bytes - activation_peak_bytes - other_bytes)
     num_blocks = max(available, 0) // block
     max_tokens = num_blocks * block_size
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = num_blocks_needed(max_model_len, block_size)
     return KVBlockBudget(
         gpu_memory_bytes=int(gpu_memory_bytes), gpu_memory_utilization=float(gpu_memory_utilization),
         usable_bytes=usable, weights_bytes=int(weights_bytes), activation_peak_bytes=int(activation_peak_bytes),

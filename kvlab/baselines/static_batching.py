@@ -12,20 +12,19 @@ import torch
 
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.cache.batched_attention import BatchedPagedKVCache
-from kvlab.cache.paged_cache import BatchLayout
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.request import Request, RequestOutput
-from kvlab.model.attention_hook import forward
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
+from kvlab.validation import check_positive_int
 
 
 class StaticBatchingEngine:
     """Fixed-size batches that wait for their longest member; `generate` has LLM.generate's shape."""
 
     def __init__(self, model, tokenizer=None, batch_size: int = 8, block_size: int = 16, seed: int = 0):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_positive_int("batch_size", batch_size)
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.block_size = batch_size, block_size
         # An engine only for its request checks, token handling and cache; its scheduler is never used.
@@ -76,21 +75,13 @@ class StaticBatchingEngine:
         feed = [list(r.prompt_token_ids) for r in batch]  # the tokens each member feeds next
         lens = [0] * len(batch)                      # tokens each member has in the cache
         while members:
-            ids, positions, slots, query_lens = [], [], [], []
+            chunks = [SequenceChunk(feed[i], lens[i], tables[i]) for i in members]  # slots from the fixed tables
+            logits, layout = forward_batch(self.model, cache, chunks)
             for i in members:
-                new = feed[i]
-                ids += new
-                positions += range(lens[i], lens[i] + len(new))
-                slots += [tables[i][p // size] * size + p % size for p in range(lens[i], lens[i] + len(new))]
-                query_lens.append(len(new))
-                lens[i] += len(new)
-            cache.set_batch(BatchLayout(query_lens, [lens[i] for i in members], [tables[i] for i in members],
-                                        torch.tensor(slots, dtype=torch.long)))
-            logits = forward(self.model, ids, positions, cache)
+                lens[i] += len(feed[i])
             self.num_forward_passes += 1
-            self.tokens_computed += len(ids)
-            rows = torch.tensor(query_lens).cumsum(0) - 1
-            tokens = sample(logits[rows], [batch[i].params for i in members],
+            self.tokens_computed += sum(layout.query_lens)
+            tokens = sample(last_token_logits(logits, layout.query_lens), [batch[i].params for i in members],
                             [batch[i].generator or self.generator for i in members])
             for i, t in zip(members, tokens):
                 r = batch[i]

@@ -6,21 +6,10 @@ sequence owns which tokens; `attend` writes every token's K/V through the slot m
 sequence's queries attend over its blocks, gathered through its block table.
 """
 
-from dataclasses import dataclass
-
 import torch
 
 from kvlab.cache.attention import causal_attention
-
-
-@dataclass(slots=True)
-class BatchLayout:
-    """Who owns the tokens of one forward pass, in order."""
-
-    query_lens: list[int]           # new tokens of each sequence in this pass
-    context_lens: list[int]         # tokens of each sequence after this pass (cached + new)
-    block_tables: list[list[int]]   # each sequence's physical blocks
-    slot_mapping: torch.Tensor      # [T] int64: pool slot of every new token
+from kvlab.cache.ragged_batch import BatchLayout
 
 
 def gather_kv(pool: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:

@@ -30,13 +30,13 @@ import torch
 
 from kvlab.cache.attention import causal_attention
 from kvlab.analysis.kv_size import DTYPE_BYTES, kv_shape
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 from kvlab.cache.paged_cache import gather_kv as gather_stored
-from kvlab.model.attention_hook import forward
 from kvlab.model.config import context_length
+from kvlab.core.paging import num_blocks_needed
+from kvlab.validation import check_block_size, check_positive_int
 from kvlab.quantization import (
-    FP8_E4M3_MAX,
-    INT8_MAX,
     SCALE_BYTES,
     SCALE_FLOOR,
     SUPPORTED_KV_CACHE_DTYPES,
@@ -44,6 +44,7 @@ from kvlab.quantization import (
     quantize,
     storage_format,
 )
+
 
 def gather_kv(pool: torch.Tensor, scales: torch.Tensor, block_table: list[int], seq_len: int,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -220,8 +221,7 @@ def _bytes_per_element(kv_cache_dtype: str) -> tuple[int, bool]:
 
 def block_bytes(config, kv_cache_dtype: str, block_size: int = 16) -> int:
     """Bytes of one block across all layers, K and V: elements, plus one float32 scale per KV head when quantised."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    check_block_size(block_size)
     shape = kv_shape(config)
     elem_bytes, scaled = _bytes_per_element(kv_cache_dtype)
     per_head = block_size * shape["head_dim"] * elem_bytes + (SCALE_BYTES if scaled else 0)
@@ -275,13 +275,10 @@ class QuantizationEffect:
 def _teacher_forced_logits(model, token_ids: list[int], cache, chunk_size: int, block_table: list[int]) -> torch.Tensor:
     """Logits [n, vocab] of one sequence fed chunk by chunk, so later chunks read earlier chunks' K/V from the cache."""
     outs = []
-    block_size = cache.block_size
     for start in range(0, len(token_ids), chunk_size):
-        end = min(start + chunk_size, len(token_ids))
-        slots = [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        cache.set_batch(BatchLayout(query_lens=[end - start], context_lens=[end], block_tables=[block_table],
-                                    slot_mapping=torch.tensor(slots)))
-        outs.append(forward(model, token_ids[start:end], list(range(start, end)), cache).float().cpu())
+        chunk = SequenceChunk(token_ids[start:start + chunk_size], start, block_table)
+        logits, _ = forward_batch(model, cache, [chunk])  # every row: teacher forcing scores each position
+        outs.append(logits.float().cpu())
     return torch.cat(outs)
 
 
@@ -293,14 +290,13 @@ def logit_and_perplexity_change(model, tokenizer, text: str, kv_cache_dtype: str
     of chunk_size tokens, its blocks placed at random in the pool (seeded).
     """
     storage_format(kv_cache_dtype)  # reject a bad dtype before any work
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    check_positive_int("chunk_size", chunk_size)
     # verbose=False: the text may be longer than the model's context; it is cut into windows below.
     ids = [int(t) for t in tokenizer(text, verbose=False)["input_ids"]]
     if len(ids) < 2:
         raise ValueError("the text must have at least 2 tokens to measure perplexity")
     window = context_length(model)
-    num_blocks = -(-min(window, len(ids)) // block_size)
+    num_blocks = num_blocks_needed(min(window, len(ids)), block_size)
     generator = torch.Generator().manual_seed(seed)
     ref_logits, quant_logits, targets = [], [], []
     for start in range(0, len(ids), window):

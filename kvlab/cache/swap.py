@@ -9,13 +9,14 @@ from collections import deque
 
 import torch
 
+from kvlab.validation import check_int
+
 
 class SwapSpace:
     """num_cpu_blocks blocks per layer, each [block_size, num_kv_heads, head_dim], on the host."""
 
     def __init__(self, cache, num_cpu_blocks: int):
-        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {num_cpu_blocks!r}")
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
         self.cache = cache
         shape = (num_cpu_blocks, *cache.k_pools[0].shape[1:])
         pin = cache.k_pools[0].is_cuda  # pinned host memory makes the copies asynchronous-capable and faster

@@ -14,6 +14,8 @@ queue, which is why the queue is a doubly linked list rather than a deque.
 
 from collections.abc import Hashable, Iterable, Iterator
 
+from kvlab.validation import check_int, check_positive_int
+
 
 class KVCacheBlock:
     """One physical block: its id, how many requests hold it, its hash when full and cached, and its queue links."""
@@ -91,8 +93,7 @@ class BlockPool:
     """All num_blocks KV blocks, a free queue in LRU order, and (with prefix caching) a hash -> block map."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -117,8 +118,7 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take num_blocks blocks from the front of the free queue, evicting any cached contents; ref_cnt becomes 1."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, minimum=0)
         if num_blocks > self.num_free_blocks:
             raise MemoryError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
         new_blocks = []

@@ -12,6 +12,8 @@ every layer before the forward pass that writes the new token.
 from dataclasses import dataclass, field
 
 from kvlab.core.block_pool import BlockPool, KVCacheBlock
+from kvlab.validation import check_block_size, check_int
+from kvlab.core.paging import num_blocks_needed
 
 
 @dataclass(slots=True)
@@ -30,8 +32,7 @@ class CowBlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        check_block_size(block_size)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=False)
         self.block_size = block_size
         self.seqs: dict[int, SequenceBlocks] = {}
@@ -80,11 +81,10 @@ class CowBlockManager:
     # ----- changes -----
     def allocate(self, seq_id, n_tokens: int) -> list[int]:
         """A new sequence of n_tokens tokens (a prompt): its blocks, and the slot of every token."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
+        check_int("n_tokens", n_tokens, minimum=0)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        needed = -(-n_tokens // self.block_size)
+        needed = num_blocks_needed(n_tokens, self.block_size)
         if needed > self.num_free_blocks:
             raise MemoryError(f"sequence {seq_id!r} needs {needed} blocks but only {self.num_free_blocks} are free")
         blocks = self.block_pool.get_new_blocks(needed)

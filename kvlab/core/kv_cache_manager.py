@@ -15,13 +15,9 @@ blocks and the whole last block (block_size tokens) is recomputed into a fresh b
 from collections.abc import Hashable, Sequence
 
 from kvlab.core.block_pool import BlockPool, KVCacheBlock
-from kvlab.core.paging import check_block_size, num_blocks_needed
+from kvlab.core.paging import num_blocks_needed, slot_mapping_for
 from kvlab.core.prefix_cache import hash_block_tokens
-
-
-def _check_count(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+from kvlab.validation import check_block_size, check_int
 
 
 class KVCacheManager:
@@ -105,7 +101,7 @@ class KVCacheManager:
         last one fills, and every block that is now full gets cached under its prefix hash. With prefix
         caching on, new_token_ids (the tokens being added) are required to hash those blocks.
         """
-        _check_count("num_new_tokens", num_new_tokens, 1)
+        check_int("num_new_tokens", num_new_tokens, 1)
         computed_blocks = list(computed_blocks)
         is_new = request_id not in self.req_to_blocks
         # Check everything before changing anything, so a failed call leaves the manager as it was.
@@ -142,7 +138,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_filled_blocks(request_id, new_token_ids)
         size = self.block_size
-        return [blocks[p // size].block_id * size + p % size for p in range(start, end)]
+        return slot_mapping_for([b.block_id for b in blocks], start, end - start, size)
 
     def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
         hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]

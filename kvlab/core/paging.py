@@ -11,12 +11,7 @@ software structure (a list of ints), not hardware: the attention kernel reads it
 
 from collections import deque
 
-
-def check_block_size(block_size) -> int:
-    """Return block_size if it is a positive integer; raise ValueError otherwise."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    return block_size
+from kvlab.validation import check_block_size, check_positive_int
 
 
 def num_blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -32,12 +27,16 @@ def physical_slot(block_table: list[int], position: int, block_size: int) -> int
     return block_table[logical_block] * block_size + offset
 
 
+def slot_mapping_for(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """The pool slots of positions start .. start + num_tokens - 1 of a sequence with this block table."""
+    return [physical_slot(block_table, p, block_size) for p in range(start, start + num_tokens)]
+
+
 class BlockManager:
     """Per-sequence block tables over a pool of num_blocks physical blocks, handed out from a free list."""
 
     def __init__(self, num_blocks: int, block_size: int, max_blocks_per_seq: int | None = None):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        check_positive_int("num_blocks", num_blocks)
         self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
@@ -61,8 +60,7 @@ class BlockManager:
 
     def append_slots(self, seq_id, num_new_tokens: int = 1) -> list[int]:
         """Grow the sequence by num_new_tokens (allocating blocks only as its last one fills); return their slots."""
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+        check_positive_int("num_new_tokens", num_new_tokens)
         needed = self.blocks_to_append(seq_id, num_new_tokens)
         table = self.block_tables.get(seq_id, [])
         # Check everything before changing anything, so a failed call leaves the pool as it was.

@@ -26,17 +26,14 @@ import torch
 
 from kvlab.cache.paged_cache import copy_blocks
 from kvlab.core.fork import CowBlockManager
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
-from kvlab.model.attention_hook import forward
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.model.config import as_token_ids, check_fits_context, eos_token_ids
 from kvlab.core.block_views import counters_for
+from kvlab.validation import check_positive_int
+from kvlab.core.paging import num_blocks_needed
 
 NEG = -1.0e9  # transformers' "impossible" score
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class BeamSearch:
@@ -49,8 +46,8 @@ class BeamSearch:
 
     def __init__(self, model, prompt_ids, beam_width: int, max_new_tokens: int, length_penalty: float = 1.0,
                  early_stopping: bool | str = False, num_blocks: int | None = None, block_size: int = 16):
-        _check_positive_int("beam_width", beam_width)
-        _check_positive_int("max_new_tokens", max_new_tokens)
+        check_positive_int("beam_width", beam_width)
+        check_positive_int("max_new_tokens", max_new_tokens)
         if early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
         self.prompt = as_token_ids(prompt_ids)
@@ -63,7 +60,7 @@ class BeamSearch:
         self.keep = max(2, 1 + len(self.eos)) * self.k
         self.block_size = block_size
         if num_blocks is None:
-            num_blocks = self.k * -(-self.max_length // block_size) + 1
+            num_blocks = self.k * num_blocks_needed(self.max_length, block_size) + 1
         self.manager = CowBlockManager(num_blocks, block_size)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.counters = {"peak_used_blocks": 0, "copies": 0, "forks": 0, "forward_passes": 0}
@@ -113,8 +110,8 @@ class BeamSearch:
         # The prompt is prefilled once; every beam starts as that one sequence.
         P = self.P
         slots = self.manager.allocate(0, P)
-        self.cache.set_batch(BatchLayout([P], [P], [self.manager.block_table(0)], torch.tensor(slots, dtype=torch.long)))
-        logits = forward(self.model, self.prompt, range(P), self.cache)[-1:]
+        logits, layout = forward_batch(self.model, self.cache, [SequenceChunk(self.prompt, 0, self.manager.block_table(0), slots)])
+        logits = last_token_logits(logits, layout.query_lens)
         self.counters["forward_passes"] += 1
         self.counters["peak_used_blocks"] = self.manager.num_used_blocks
         self.log_probs = torch.log_softmax(logits.float(), dim=-1).expand(self.k, -1)
@@ -194,13 +191,9 @@ class BeamSearch:
         self.run_tokens = [self.run_tokens[p] + [t] for p, t in zip(self._parents, self._new_tokens)]
         self.run_scores = self._new_scores
 
-        self.cache.set_batch(BatchLayout(
-            query_lens=[1] * k,
-            context_lens=[self.cur] * k,
-            block_tables=[manager.block_table(c) for c in children],
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long),
-        ))
-        logits = forward(self.model, [toks[-1] for toks in self.run_tokens], [self.cur - 1] * k, self.cache)
+        chunks = [SequenceChunk([toks[-1]], self.cur - 1, manager.block_table(c), [slot])
+                  for toks, c, slot in zip(self.run_tokens, children, new_slots)]
+        logits, _ = forward_batch(self.model, self.cache, chunks)  # one new token each: every row is a last token
         self.counters["forward_passes"] += 1
         self.log_probs = torch.log_softmax(logits.float(), dim=-1)
 
@@ -214,7 +207,7 @@ class BeamSearch:
         """Block-usage counters: peak used blocks, copies, forks, forward passes, and blocks without sharing."""
         out = dict(self.counters)
         out["num_blocks"] = self.manager.num_blocks
-        out["blocks_without_sharing"] = self.k * -(-(self.cur - 1) // self.block_size)
+        out["blocks_without_sharing"] = self.k * num_blocks_needed(self.cur - 1, self.block_size)
         return out
 
     def snapshot(self) -> dict:

@@ -2,7 +2,6 @@
 
 import time
 
-import torch
 
 from kvlab.cache.naive_cache import NaiveKVCache, RecomputeCache
 from kvlab.model.attention_hook import forward

@@ -8,12 +8,11 @@ before touching the pool.
 
 from dataclasses import dataclass, field
 
-import torch
 
 from kvlab.model.config import check_fits_context
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.core.paging import BlockManager
-from kvlab.model.attention_hook import forward
 
 
 @dataclass(slots=True)
@@ -81,17 +80,13 @@ class PagedGenerator:
         needed = sum(self.block_manager.blocks_to_append(s.seq_id, len(ids)) for s, (ids, _) in zip(batch, feeds))
         if needed > self.block_manager.num_free_blocks:
             raise MemoryError(f"this step needs {needed} new blocks but only {self.block_manager.num_free_blocks} are free")
-        slots = [self.block_manager.append_slots(s.seq_id, len(ids)) for s, (ids, _) in zip(batch, feeds)]
-        self.cache.set_batch(BatchLayout(
-            query_lens=[len(ids) for ids, _ in feeds],
-            context_lens=[self.block_manager.num_tokens[s.seq_id] for s in batch],
-            block_tables=[list(self.block_manager.block_tables[s.seq_id]) for s in batch],
-            slot_mapping=torch.tensor([slot for seq_slots in slots for slot in seq_slots]),
-        ))
-        logits = forward(self.model, [t for ids, _ in feeds for t in ids], [p for _, pos in feeds for p in pos], self.cache)
-        last_rows = torch.tensor([len(ids) for ids, _ in feeds]).cumsum(0) - 1
+        chunks = []
+        for s, (ids, positions) in zip(batch, feeds):
+            slots = self.block_manager.append_slots(s.seq_id, len(ids))
+            chunks.append(SequenceChunk(ids, positions[0], self.block_manager.block_tables[s.seq_id], slots))
+        logits, layout = forward_batch(self.model, self.cache, chunks)
         done = []
-        for seq, token in zip(batch, logits[last_rows].argmax(-1).tolist()):
+        for seq, token in zip(batch, last_token_logits(logits, layout.query_lens).argmax(-1).tolist()):
             seq.output_ids.append(token)
             if seq.finished:
                 self.block_manager.free(seq.seq_id)

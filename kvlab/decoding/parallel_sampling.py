@@ -13,8 +13,10 @@ import torch
 from kvlab.cache.paged_cache import copy_blocks
 from kvlab.core.fork import CowBlockManager
 from kvlab.model.config import as_token_ids, check_fits_context
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
-from kvlab.model.attention_hook import forward
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
+from kvlab.validation import check_positive_int
+from kvlab.core.paging import num_blocks_needed
 
 
 @dataclass
@@ -31,15 +33,14 @@ class ParallelSamples:
 def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0,
              num_blocks: int | None = None, block_size: int = 16) -> ParallelSamples:
     """n samples of max_new_tokens tokens each, at `temperature`, reproducible from `seed`."""
-    for name, value in (("n", n), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive_int("n", n)
+    check_positive_int("max_new_tokens", max_new_tokens)
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature!r}")
     prompt = as_token_ids(prompt_ids)
     check_fits_context(model, len(prompt), max_new_tokens)
     P = len(prompt)
-    per_seq = -(-(P + max_new_tokens) // block_size)
+    per_seq = num_blocks_needed(P + max_new_tokens, block_size)
     if num_blocks is None:
         num_blocks = n * per_seq + 1
     manager = CowBlockManager(num_blocks, block_size)
@@ -51,8 +52,8 @@ def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float 
         return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
     slots = manager.allocate("prompt", P)
-    cache.set_batch(BatchLayout([P], [P], [manager.block_table("prompt")], torch.tensor(slots, dtype=torch.long)))
-    last = forward(model, prompt, range(P), cache)[-1:]
+    logits, layout = forward_batch(model, cache, [SequenceChunk(prompt, 0, manager.block_table("prompt"), slots)])
+    last = last_token_logits(logits, layout.query_lens)
     outputs = [[t] for t in draw(last.expand(n, -1))]
     for i in range(n):
         manager.fork("prompt", i)
@@ -68,9 +69,9 @@ def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float 
         copy_blocks(cache, orders)
         copies += len(orders)
         length = P + step
-        cache.set_batch(BatchLayout([1] * n, [length] * n, [manager.block_table(i) for i in range(n)],
-                                    torch.tensor(new_slots, dtype=torch.long)))
-        logits = forward(model, [out[-1] for out in outputs], [length - 1] * n, cache)
+        chunks = [SequenceChunk([out[-1]], length - 1, manager.block_table(i), [slot])
+                  for i, (out, slot) in enumerate(zip(outputs, new_slots))]
+        logits, _ = forward_batch(model, cache, chunks)  # one new token each: every row is a last token
         for out, token in zip(outputs, draw(logits)):
             out.append(token)
     tables = [manager.block_table(i) for i in range(n)]

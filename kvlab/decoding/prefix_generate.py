@@ -11,13 +11,12 @@ every token's K/V of a layer before any sequence attends in that layer, so a sha
 before the second request reads it.
 """
 
-import torch
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.core.paging import num_blocks_needed
-from kvlab.model.attention_hook import forward
 from kvlab.core.block_views import counters_for
 
 
@@ -53,7 +52,7 @@ class PrefixCachingGenerator(PagedGenerator):
         needed += sum(num_blocks_needed(len(s.prompt_ids), self.block_size) for s in joining)
         if needed > manager.num_free_blocks:
             raise MemoryError(f"this step needs up to {needed} new blocks but only {manager.num_free_blocks} are free")
-        ids, positions, slots, query_lens = [], [], [], []
+        chunks = []
         for s in batch:
             if s in joining:
                 hits, num_cached = manager.get_computed_blocks(s.seq_id, s.prompt_ids)
@@ -61,25 +60,15 @@ class PrefixCachingGenerator(PagedGenerator):
                 self.last_hit_blocks.update(b.block_id for b in hits)
                 new_ids = s.prompt_ids[num_cached:]
                 start = num_cached
-                slots += manager.allocate_slots(s.seq_id, len(new_ids), hits, new_token_ids=new_ids)
+                slots = manager.allocate_slots(s.seq_id, len(new_ids), hits, new_token_ids=new_ids)
                 self.prefill_tokens_fed += len(new_ids)
             else:
                 new_ids, start = [s.output_ids[-1]], s.num_tokens - 1
-                slots += manager.allocate_slots(s.seq_id, 1, new_token_ids=new_ids)
-            ids += new_ids
-            positions += range(start, start + len(new_ids))
-            query_lens.append(len(new_ids))
-        tables = manager.block_tables
-        self.cache.set_batch(BatchLayout(
-            query_lens=query_lens,
-            context_lens=[manager.num_tokens[s.seq_id] for s in batch],
-            block_tables=[tables[s.seq_id] for s in batch],
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-        ))
-        logits = forward(self.model, ids, positions, self.cache)
-        last_rows = torch.tensor(query_lens).cumsum(0) - 1
+                slots = manager.allocate_slots(s.seq_id, 1, new_token_ids=new_ids)
+            chunks.append(SequenceChunk(new_ids, start, manager.block_tables[s.seq_id], slots))
+        logits, layout = forward_batch(self.model, self.cache, chunks)
         done = []
-        for seq, token in zip(batch, logits[last_rows].argmax(-1).tolist()):
+        for seq, token in zip(batch, last_token_logits(logits, layout.query_lens).argmax(-1).tolist()):
             seq.output_ids.append(token)
             if seq.finished:
                 manager.free(seq.seq_id)

@@ -20,7 +20,7 @@ import torch
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.cache.batched_attention import BatchedPagedKVCache
-from kvlab.core.paging import check_block_size, num_blocks_needed
+from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.request import FINISH_REASONS, CompletionOutput, Request, RequestOutput, RequestStatus
 from kvlab.model.config import context_length, eos_token_ids
 from kvlab.engine.sampler import sample
@@ -28,6 +28,7 @@ from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.cache.swap import SwapSpace
 from kvlab.core.block_views import counters_for
+from kvlab.validation import check_block_size, check_positive_int
 
 
 DEFAULT_POOL_BYTES = 512 * 2**20  # the pool's size when neither num_blocks nor kv_cache_memory is given
@@ -41,12 +42,6 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
 
 
-def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 class LLMEngine:
     """A continuous-batching engine over kvlab's paged cache, block pool, prefix cache and scheduler."""
 
@@ -57,11 +52,11 @@ class LLMEngine:
                  decode_backend: str = "auto"):
         self.model, self.tokenizer = model, tokenizer
         self.block_size = check_block_size(block_size)
-        self.max_model_len = context_length(model) if max_model_len is None else _positive_int("max_model_len", max_model_len)
+        self.max_model_len = context_length(model) if max_model_len is None else check_positive_int("max_model_len", max_model_len)
         if self.max_model_len > context_length(model):
             raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's context of {context_length(model)} tokens")
-        _positive_int("max_num_seqs", max_num_seqs)
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_positive_int("max_num_seqs", max_num_seqs)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         block_bytes = block_size * kv_bytes_per_token(model)
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory (a byte budget for the pool), not both")
@@ -75,7 +70,7 @@ class LLMEngine:
             # model would otherwise ask for gigabytes) and never less than one full-length sequence.
             full = num_blocks_needed(self.max_model_len, block_size)
             num_blocks = max(full, min(max_num_seqs * full, DEFAULT_POOL_BYTES // block_bytes))
-        _positive_int("num_blocks", num_blocks)
+        check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)

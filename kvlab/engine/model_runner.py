@@ -8,8 +8,7 @@ token are kept: a prefill chunk that does not finish its prompt produces no toke
 
 import torch
 
-from kvlab.cache.paged_cache import BatchLayout
-from kvlab.model.attention_hook import forward
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.engine.scheduler import SchedulerOutput
 
 
@@ -23,17 +22,11 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, block_tables: dict) -> torch.Tensor:
         """Logits [num_scheduled, vocab] of the last new token of each scheduled request."""
-        ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+        chunks = []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
-            ids += req.all_token_ids[start:start + s.num_new_tokens]
-            positions += range(start, start + s.num_new_tokens)
-            slots += s.slots
-            query_lens.append(s.num_new_tokens)
-            context_lens.append(start + s.num_new_tokens)
-            tables.append(block_tables[req.request_id])
-        self.cache.set_batch(BatchLayout(query_lens, context_lens, tables, torch.tensor(slots, dtype=torch.long)))
-        logits = forward(self.model, ids, positions, self.cache)
+            chunks.append(SequenceChunk(req.all_token_ids[start:start + s.num_new_tokens], start,
+                                        block_tables[req.request_id], s.slots))
+        logits, layout = forward_batch(self.model, self.cache, chunks)
         self.num_forward_passes += 1
-        last_rows = torch.tensor(query_lens, device=logits.device).cumsum(0) - 1
-        return logits[last_rows]
+        return last_token_logits(logits, layout.query_lens)

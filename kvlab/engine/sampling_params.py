@@ -3,10 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+from kvlab.validation import check_positive_int
 
 
 @dataclass(slots=True)
@@ -28,8 +25,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        _positive_int("n", self.n)
-        _positive_int("max_tokens", self.max_tokens)
+        check_positive_int("n", self.n)
+        check_positive_int("max_tokens", self.max_tokens)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
@@ -59,7 +56,7 @@ class BeamSearchParams:
     early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self):
-        _positive_int("beam_width", self.beam_width)
-        _positive_int("max_tokens", self.max_tokens)
+        check_positive_int("beam_width", self.beam_width)
+        check_positive_int("max_tokens", self.max_tokens)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")

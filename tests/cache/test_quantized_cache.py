@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvlab.analysis.kv_size import load_model_config
-from kvlab.cache.paged_cache import BatchLayout, PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.ragged_batch import BatchLayout
 from kvlab.cache.paged_cache import gather_kv as gather_plain
 from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.paths import ASSETS_DIR

@@ -1,0 +1,55 @@
+"""The argument checks every layer shares: each returns the value it accepts and names what was wrong.
+
+Plain Python only, so the torch-free layers (core, analysis) use them too.
+"""
+
+import math
+import numbers
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a TypeError by Python's convention, and a ValueError like every other bad argument.
+
+    Both, so callers that catch either keep working (numpy's AxisError is a ValueError and an IndexError likewise).
+    """
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """value as an int if it is an integer >= minimum: ArgumentTypeError for a non-integer, ValueError for one too small.
+
+    bool is an int to Python, but True as a count is always a bug, so it is refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name} must be {_int_words(minimum)}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be {_int_words(minimum)}, got {value!r}")
+    return int(value)
+
+
+def check_positive_int(name: str, value) -> int:
+    """value if it is a positive integer (bool refused); ValueError otherwise."""
+    return check_int(name, value, 1)
+
+
+def check_block_size(block_size) -> int:
+    """block_size if it is a positive integer; ValueError otherwise."""
+    return check_int("block_size", block_size, 1)
+
+
+def check_number(name: str, value, allow_zero: bool = True, what: str = "number") -> float:
+    """value if it is a finite real number >= 0 (> 0 without allow_zero); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a finite {what}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite {what}, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
+    return value
+
+
+def _int_words(minimum: int) -> str:
+    if minimum == 1:
+        return "a positive integer"
+    if minimum == 0:
+        return "a non-negative integer"
+    return f"an integer >= {minimum}"
