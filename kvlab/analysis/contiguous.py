@@ -3,18 +3,16 @@
 A request reserves one contiguous range of token slots in a fixed arena when it is admitted and
 keeps it until it finishes. How large that range is depends on the reservation policy:
 
-* ``"max"``: ``max_model_len`` slots, whatever the request's length (Orca (Max)).
-* ``"pow2"``: the next power of two at or above the request's final length ``prompt_len +
-  output_len``, capped at ``max_model_len`` (Orca (Pow2)).
-* ``"oracle"``: exactly the final length; an oracle that knows the output length in advance
+* `"max"`: `max_model_len` slots, whatever the request's length (Orca (Max)).
+* `"pow2"`: the next power of two at or above the request's final length `prompt_len +
+  output_len`, capped at `max_model_len` (Orca (Pow2)).
+* `"oracle"`: exactly the final length; an oracle that knows the output length in advance
   (Orca (Oracle)).
 
 The arena hands out ranges first-fit from a free list of holes sorted by address and merges
 neighbouring holes on free, so external fragmentation arises for real: free slots scattered over
 holes that are each too small for the next request.
 """
-
-from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ POLICIES: tuple[str, ...] = ("max", "pow2", "oracle")
 
 @dataclass(slots=True, frozen=True)
 class Hole:
-    """A run of free slots ``[start, start + size)`` in the arena."""
+    """A run of free slots `[start, start + size)` in the arena."""
 
     start: int
     size: int
@@ -38,7 +36,7 @@ class Hole:
 
 
 class ContiguousArena:
-    """A fixed arena of ``num_slots`` token slots that hands out contiguous ranges first-fit."""
+    """A fixed arena of `num_slots` token slots that hands out contiguous ranges first-fit."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = check_positive_int("num_slots", num_slots)
@@ -48,7 +46,7 @@ class ContiguousArena:
         self._allocations: dict[int, int] = {}
 
     def find_hole(self, size: int) -> int | None:
-        """Return the start of the lowest-addressed hole with at least ``size`` slots, or None."""
+        """Return the start of the lowest-addressed hole with at least `size` slots, or None."""
         size = check_positive_int("size", size)
         for start, hole_size in zip(self._hole_starts, self._hole_sizes):
             if hole_size >= size:
@@ -56,11 +54,11 @@ class ContiguousArena:
         return None
 
     def can_allocate(self, size: int) -> bool:
-        """Whether some single hole has room for ``size`` contiguous slots."""
+        """Whether some single hole has room for `size` contiguous slots."""
         return self.find_hole(size) is not None
 
     def allocate(self, size: int) -> int | None:
-        """Reserve ``size`` contiguous slots first-fit: their start, or None if no hole fits."""
+        """Reserve `size` contiguous slots first-fit: their start, or None if no hole fits."""
         size = check_positive_int("size", size)
         if size > self.num_slots:
             raise ValueError(f"cannot allocate {size} slots in an arena of {self.num_slots}")
@@ -79,7 +77,7 @@ class ContiguousArena:
         return None
 
     def free(self, start: int) -> int:
-        """Free the range that starts at ``start``, merging it with adjacent holes; return its size."""
+        """Free the range that starts at `start`, merging it with adjacent holes; return its size."""
         start = check_int("start", start, minimum=0)
         if start not in self._allocations:
             raise ValueError(f"no allocated range starts at slot {start} (unknown or freed)")
@@ -112,7 +110,7 @@ class ContiguousArena:
 
     @property
     def allocations(self) -> dict[int, int]:
-        """Allocated ranges as ``{start: size}``, sorted by start."""
+        """Allocated ranges as `{start: size}`, sorted by start."""
         return dict(sorted(self._allocations.items()))
 
     @property
@@ -138,15 +136,14 @@ class ContiguousArena:
 
 
 def reservation_slots(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
-    """Number of contiguous slots ``policy`` reserves for a request of the given lengths."""
+    """Number of contiguous slots `policy` reserves for a request of the given lengths."""
     prompt_len = check_positive_int("prompt_len", prompt_len)
     output_len = check_positive_int("output_len", output_len)
     max_model_len = check_positive_int("max_model_len", max_model_len)
     final_len = prompt_len + output_len
     if final_len > max_model_len:
         raise ValueError(
-            f"request of {prompt_len} prompt + {output_len} output tokens exceeds "
-            f"max_model_len={max_model_len}"
+            f"request of {prompt_len} prompt + {output_len} output tokens exceeds max_model_len={max_model_len}"
         )
     if policy == "max":
         return max_model_len

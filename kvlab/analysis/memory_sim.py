@@ -1,13 +1,13 @@
 """Replay a request trace step by step and account where every KV-cache slot goes.
 
-The KV arena has ``num_slots`` token slots. ``simulate`` runs a first-come-first-served server
-over it with one of four allocators: the contiguous reservation policies ``"max"``, ``"pow2"``
-and ``"oracle"`` of ``kvlab.analysis.contiguous`` (a first-fit arena), or ``"paged"`` (a pool of
-``num_slots // block_size`` blocks of ``block_size`` slots, as in vLLM).
+The KV arena has `num_slots` token slots. `simulate` runs a first-come-first-served server
+over it with one of four allocators: the contiguous reservation policies `"max"`, `"pow2"`
+and `"oracle"` of `kvlab.analysis.contiguous` (a first-fit arena), or `"paged"` (a pool of
+`num_slots // block_size` blocks of `block_size` slots, as in vLLM).
 
 One scheduler step:
 
-1. Requests whose ``arrival_step`` has come join the waiting queue.
+1. Requests whose `arrival_step` has come join the waiting queue.
 2. Every running request that has processed its prompt generates one token and stores its
    state. A paged request takes a new block when its last one is full; if none is free, the most
    recently admitted request is preempted (its blocks are freed and it re-queues at the head of
@@ -15,39 +15,37 @@ One scheduler step:
    Contiguous requests reserved their whole range up front and never need more.
 3. Unless a request was preempted this step, waiting requests are admitted in arrival order while
    their memory fits: a contiguous request needs one hole as large as its reservation, a paged
-   one ``ceil(prefill_len / block_size)`` free blocks. The first one that doesn't fit waits and
+   one `ceil(prefill_len / block_size)` free blocks. The first one that doesn't fit waits and
    blocks the ones behind it. An admitted request processes its whole prompt in this step.
 4. The arena is accounted (below).
 5. Requests that stored their last output token finish and free their memory.
 
 Accounting, at step 4 of every step, splits the arena's slots into five categories, each slot
-counted exactly once. A running request holds ``capacity`` slots (its reservation, or its blocks
-times ``block_size``), stores ``num_tokens`` token states and will end at ``final_len =
-prompt_len + output_len`` tokens:
+counted exactly once. A running request holds `capacity` slots (its reservation, or its blocks
+times `block_size`), stores `num_tokens` token states and will end at `final_len =
+prompt_len + output_len` tokens:
 
-* tokens: ``num_tokens``, slots holding a token's key and value.
-* reserved: ``min(capacity, final_len) - num_tokens``, held slots the request will still fill.
-* internal (fragmentation): ``capacity - min(capacity, final_len)``, held slots it never fills.
+* tokens: `num_tokens`, slots holding a token's key and value.
+* reserved: `min(capacity, final_len) - num_tokens`, held slots the request will still fill.
+* internal (fragmentation): `capacity - min(capacity, final_len)`, held slots it never fills.
 * external (fragmentation): free slots stranded while a request waits. At a step that ends with a
   non-empty waiting queue, every free slot in a hole smaller than the head request's allocation
   unit (its whole reservation when contiguous, one block when paged) is external. After step 3 no
   hole fits the head request, so for the contiguous policies that is every free slot; for paged
-  allocation it is only the ``num_slots % block_size`` slots that never form a block.
+  allocation it is only the `num_slots % block_size` slots that never form a block.
 * free: the other free slots, idle because nobody waits for them (or, paged, because the waiting
   request needs more blocks than are free or the step preempted; running requests grow into them).
 
 External fragmentation so defined includes a tail too small for any request (Orca (Max) in an
-arena that is not a multiple of ``max_model_len``), as the paper's allocator would strand it. The
+arena that is not a multiple of `max_model_len`), as the paper's allocator would strand it. The
 stricter textbook kind, where the free slots would hold the waiting request if they were
-contiguous, is reported too, as ``external_strict``: a subset of external, not a sixth category.
+contiguous, is reported too, as `external_strict`: a subset of external, not a sixth category.
 
 Averages are over all simulated steps, and shares of *used* memory (the paper's Figure 2) are
-ratios of sums over steps: ``sum(tokens) / sum(tokens + reserved + internal + external)``. A
+ratios of sums over steps: `sum(tokens) / sum(tokens + reserved + internal + external)`. A
 request's wait is the number of steps it ends in the waiting queue, before its admission and
-after any preemption; ``mean_wait_steps`` averages it over completed requests.
+after any preemption; `mean_wait_steps` averages it over completed requests.
 """
-
-from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
@@ -124,7 +122,7 @@ class _ContiguousAllocator:
         seq.start, seq.capacity = -1, 0
 
     def stranded_slots(self, head: _Sequence) -> int:
-        """Free slots in holes too small for the waiting ``head``'s reservation."""
+        """Free slots in holes too small for the waiting `head`'s reservation."""
         unit = self.peak_slots(head.request)
         return sum(size for size in self.arena.hole_sizes if size < unit)
 
@@ -179,7 +177,7 @@ class _PagedAllocator:
         seq.capacity = 0
 
     def stranded_slots(self, head: _Sequence) -> int:
-        """Free slots that cannot serve the waiting ``head``."""
+        """Free slots that cannot serve the waiting `head`."""
         # Any free block serves a paged request, so only the tail that is not a block is stranded.
         return self.tail_slots
 
@@ -224,7 +222,7 @@ class SimResult:
         return self.tokens + self.reserved + self.internal + self.external
 
     def category(self, name: str) -> np.ndarray:
-        """The per-step slot counts of one category of ``CATEGORIES``."""
+        """The per-step slot counts of one category of `CATEGORIES`."""
         if name not in CATEGORIES:
             raise ValueError(f"unknown category {name!r}; expected one of {CATEGORIES}")
         return getattr(self, name)
@@ -250,10 +248,8 @@ class SimResult:
 _Allocator = _ContiguousAllocator | _PagedAllocator
 
 
-def _make_allocator(
-    allocator: str, num_slots: int, max_model_len: int, block_size: int
-) -> _Allocator:
-    """Build the allocator named ``allocator``, validating its arguments."""
+def _make_allocator(allocator: str, num_slots: int, max_model_len: int, block_size: int) -> _Allocator:
+    """Build the allocator named `allocator`, validating its arguments."""
     if allocator in POLICIES:
         return _ContiguousAllocator(allocator, num_slots, max_model_len)
     if allocator == "paged":
@@ -272,9 +268,7 @@ def _check_requests(requests: Sequence[Request], allocator: _Allocator, max_mode
             raise ValueError(f"duplicate request_id {r.request_id}")
         ids.add(r.request_id)
         if r.final_len > max_model_len:
-            raise ValueError(
-                f"request {r.request_id} needs {r.final_len} tokens > max_model_len={max_model_len}"
-            )
+            raise ValueError(f"request {r.request_id} needs {r.final_len} tokens > max_model_len={max_model_len}")
         need, limit = allocator.peak_slots(r), allocator.usable_slots
         if need > limit:
             raise ValueError(f"request {r.request_id} needs {need} slots; the arena has {limit}")
@@ -309,9 +303,8 @@ def _admit(waiting: deque[_Sequence], running: list[_Sequence], alloc: _Allocato
         running.append(seq)
 
 
-def _account(
-    running: list[_Sequence], waiting: deque[_Sequence], alloc: _Allocator, num_slots: int
-) -> tuple[int, int, int, int, int, int]:
+def _account(running: list[_Sequence], waiting: deque[_Sequence], alloc: _Allocator,
+             num_slots: int) -> tuple[int, int, int, int, int, int]:
     """Split the arena into tokens, reserved, internal, external and free, plus strict external."""
     tokens = reserved = internal = 0
     for seq in running:
@@ -329,16 +322,9 @@ def _account(
     return tokens, reserved, internal, external, free - external, external_strict
 
 
-def simulate(
-    requests: Sequence[Request],
-    allocator: str,
-    *,
-    num_slots: int,
-    max_model_len: int = 2048,
-    block_size: int = 16,
-    max_steps: int | None = None,
-) -> SimResult:
-    """Replay ``requests`` FCFS against ``allocator`` ("max", "pow2", "oracle" or "paged")."""
+def simulate(requests: Sequence[Request], allocator: str, *, num_slots: int, max_model_len: int = 2048,
+             block_size: int = 16, max_steps: int | None = None) -> SimResult:
+    """Replay `requests` FCFS against `allocator` ("max", "pow2", "oracle" or "paged")."""
     check_positive_int("num_slots", num_slots)
     check_positive_int("max_model_len", max_model_len)
     if max_steps is not None and max_steps < 0:

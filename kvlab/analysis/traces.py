@@ -4,18 +4,16 @@ Nothing is downloaded: lengths are drawn from lognormal distributions whose mean
 datasets the vLLM paper replays (its Figure 11), and arrivals are a Poisson process over
 scheduler steps. Every generator takes a seed and is deterministic for a given seed.
 
-* ``chat_trace`` (ShareGPT-like conversations): prompt lengths lognormal with mean 161 tokens
+* `chat_trace` (ShareGPT-like conversations): prompt lengths lognormal with mean 161 tokens
   and log-space sigma 1.0, output lengths lognormal with mean 338 and sigma 0.8.
-* ``instruct_trace`` (Alpaca-like instructions): prompt mean 19, sigma 0.6; output mean 58,
+* `instruct_trace` (Alpaca-like instructions): prompt mean 19, sigma 0.6; output mean 58,
   sigma 0.7.
 
-Lengths are rounded to integers and at least 1. A prompt is clipped to ``max_model_len - 1`` and
-then the output to what is left of ``max_model_len``, so the clipped means are slightly lower.
-Arrival steps come from exponential gaps of mean ``1 / arrival_rate`` steps, summed and floored,
-so each step sees a Poisson number of arrivals with mean ``arrival_rate``.
+Lengths are rounded to integers and at least 1. A prompt is clipped to `max_model_len - 1` and
+then the output to what is left of `max_model_len`, so the clipped means are slightly lower.
+Arrival steps come from exponential gaps of mean `1 / arrival_rate` steps, summed and floored,
+so each step sees a Poisson number of arrivals with mean `arrival_rate`.
 """
-
-from __future__ import annotations
 
 import csv
 import math
@@ -49,23 +47,14 @@ class Request:
 
 
 def _lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
-    """Draw ``n`` integer lengths >= 1 from a lognormal with the given mean and log-space sigma."""
+    """Draw `n` integer lengths >= 1 from a lognormal with the given mean and log-space sigma."""
     # E[exp(N(mu, sigma^2))] = exp(mu + sigma^2 / 2), so solve for mu to hit the requested mean.
     mu = math.log(mean) - sigma**2 / 2
     return np.maximum(np.rint(rng.lognormal(mu, sigma, n)), 1).astype(np.int64)
 
 
-def generate_trace(
-    num_requests: int,
-    *,
-    arrival_rate: float,
-    prompt_mean: float,
-    prompt_sigma: float,
-    output_mean: float,
-    output_sigma: float,
-    max_model_len: int,
-    seed: int,
-) -> list[Request]:
+def generate_trace(num_requests: int, *, arrival_rate: float, prompt_mean: float, prompt_sigma: float,
+                   output_mean: float, output_sigma: float, max_model_len: int, seed: int) -> list[Request]:
     """Draw a trace with lognormal prompt and output lengths and Poisson arrivals per step."""
     if num_requests <= 0:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
@@ -83,54 +72,30 @@ def generate_trace(
     arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)  # first request at step 0
     prompts = np.minimum(prompts, max_model_len - 1)
     outputs = np.minimum(outputs, max_model_len - prompts)
-    return [
-        Request(i, int(a), int(p), int(o))
-        for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))
-    ]
+    return [Request(i, int(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
 
-def chat_trace(
-    num_requests: int = 400,
-    *,
-    arrival_rate: float = 0.1,
-    max_model_len: int = 2048,
-    seed: int = 0,
-) -> list[Request]:
+# The two datasets' length distributions (means in tokens, sigmas in log space), as in the module docstring.
+CHAT_LENGTHS = dict(prompt_mean=161.0, prompt_sigma=1.0, output_mean=338.0, output_sigma=0.8)
+INSTRUCT_LENGTHS = dict(prompt_mean=19.0, prompt_sigma=0.6, output_mean=58.0, output_sigma=0.7)
+
+
+def chat_trace(num_requests: int = 400, *, arrival_rate: float = 0.1, max_model_len: int = 2048,
+               seed: int = 0) -> list[Request]:
     """A ShareGPT-like trace: long conversational prompts and long, heavy-tailed answers."""
-    return generate_trace(
-        num_requests,
-        arrival_rate=arrival_rate,
-        prompt_mean=161.0,
-        prompt_sigma=1.0,
-        output_mean=338.0,
-        output_sigma=0.8,
-        max_model_len=max_model_len,
-        seed=seed,
-    )
+    return generate_trace(num_requests, arrival_rate=arrival_rate, max_model_len=max_model_len, seed=seed,
+                          **CHAT_LENGTHS)
 
 
-def instruct_trace(
-    num_requests: int = 400,
-    *,
-    arrival_rate: float = 1.0,
-    max_model_len: int = 2048,
-    seed: int = 0,
-) -> list[Request]:
+def instruct_trace(num_requests: int = 400, *, arrival_rate: float = 1.0, max_model_len: int = 2048,
+                   seed: int = 0) -> list[Request]:
     """An Alpaca-like trace: short instructions and short answers."""
-    return generate_trace(
-        num_requests,
-        arrival_rate=arrival_rate,
-        prompt_mean=19.0,
-        prompt_sigma=0.6,
-        output_mean=58.0,
-        output_sigma=0.7,
-        max_model_len=max_model_len,
-        seed=seed,
-    )
+    return generate_trace(num_requests, arrival_rate=arrival_rate, max_model_len=max_model_len, seed=seed,
+                          **INSTRUCT_LENGTHS)
 
 
 def save_trace(requests: list[Request], path: str | Path) -> None:
-    """Write a trace as CSV with a header row ``request_id,arrival_step,prompt_len,output_len``."""
+    """Write a trace as CSV with a header row `request_id,arrival_step,prompt_len,output_len`."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_FIELDS)
@@ -139,7 +104,7 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
 
 
 def load_trace(path: str | Path) -> list[Request]:
-    """Read a trace written by ``save_trace``, raising ValueError on a malformed file."""
+    """Read a trace written by `save_trace`, raising ValueError on a malformed file."""
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -208,7 +173,7 @@ def prompts_from_text(requests: list[Request], text: str, tokenize) -> list[list
         if len(text) <= window:
             raise ValueError(f"the text has {len(text)} characters, too few for a {r.prompt_len}-token prompt")
         start = (r.request_id * 7919) % (len(text) - window)
-        ids = list(tokenize(text[start:start + window]))[:r.prompt_len]
+        ids = list(tokenize(text[start : start + window]))[: r.prompt_len]
         if len(ids) < r.prompt_len:
             raise ValueError(f"request {r.request_id}: only {len(ids)} tokens in its slice of the text")
         prompts.append(ids)

@@ -56,6 +56,59 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 @triton.jit
+def _load_query_base2(q_row_ptr, dims, dim_ok, scale):
+    """One query head [HEAD_DIM_PAD] in fp32, times scale * log2(e) so the softmax can use exp2."""
+    # fp32 right after loading: accumulation precision, and the interpreter's bf16 arithmetic is wrong.
+    q = tl.load(q_row_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    # Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)), and exp2 is the GPU's native op.
+    return q * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _online_softmax_over_range(
+    q,                   # [HEAD_DIM_PAD] fp32 query, already times scale * log2(e)
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,  # the pools and their scales (see the kernels)
+    table_row,           # pointer to this sequence's row of block_tables
+    kv_head, num_kv_heads,
+    range_start, range_end,  # the positions [range_start, range_end) this program attends over
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    dims, dim_ok,        # [HEAD_DIM_PAD] head-dim offsets and which of them are real
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, QUANTIZED: tl.constexpr,
+):
+    """The running max m_i, sum l_i and unnormalised output acc [HEAD_DIM_PAD] of the softmax over the range."""
+    m_i = tl.full([], float("-inf"), tl.float32)   # running max of the scores seen so far
+    l_i = tl.full([], 0.0, tl.float32)             # running sum of exp2(score - m_i)
+    acc = tl.zeros_like(q)                         # running sum of exp2(score - m_i) * v
+    for start in range(range_start, range_end, TILE):
+        pos = start + tl.arange(0, TILE)
+        in_range = pos < range_end
+        # Only positions inside the range look up their block, so table entries past the sequence's
+        # last block (stale or garbage) are never read, and neither are the pool slots past it.
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+        # int64: block * stride_cache_block passes 2**31 in pools over 4 GiB of fp16.
+        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM_PAD]
+        kv_mask = in_range[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            # Dequantise right after the load: each position times the scale of its (physical block, KV head).
+            scale_offsets = block * num_kv_heads + kv_head                                   # [TILE]
+            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
+        scores = tl.sum(k * q[None, :], axis=1)                 # [TILE]
+        scores = tl.where(in_range, scores, float("-inf"))     # padding positions get zero weight
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new max (0 on the first tile)
+        p = tl.exp2(scores - m_new)                            # [TILE]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,             # [num_seqs, num_heads, head_dim] written here, in q's dtype
     q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
@@ -85,46 +138,15 @@ def _paged_decode_kernel(
     head = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV  # GQA: consecutive query heads read the same KV head
     seq_len = tl.load(seq_lens_ptr + seq)
-    if QUANTIZED:
-        num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV  # the scales' row length: one per KV head
+    num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV  # the scales' row length: one per KV head
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    # fp32 right after loading: accumulation precision, and the interpreter's bf16 arithmetic is wrong.
-    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    # Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)), and exp2 is the GPU's native op.
-    q = q * (scale * 1.4426950408889634)
-
-    m_i = tl.full([], float("-inf"), tl.float32)   # running max of the scores seen so far
-    l_i = tl.full([], 0.0, tl.float32)             # running sum of exp2(score - m_i)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)     # running sum of exp2(score - m_i) * v
+    q = _load_query_base2(q_ptr + seq * stride_q_seq + head * stride_q_head, dims, dim_ok, scale)
     table_row = block_tables_ptr + seq * stride_table_seq
-    for start in range(0, seq_len, TILE):
-        pos = start + tl.arange(0, TILE)
-        in_seq = pos < seq_len
-        # Only positions inside the sequence look up their block, so table entries past its last block
-        # (stale or garbage) are never read, and neither are the pool slots past seq_len.
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
-        # int64: block * stride_cache_block passes 2**31 in pools over 4 GiB of fp16.
-        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM_PAD]
-        kv_mask = in_seq[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            # Dequantise right after the load: each position times the scale of its (physical block, KV head).
-            scale_offsets = block * num_kv_heads + kv_head                                   # [TILE]
-            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
-        scores = tl.sum(k * q[None, :], axis=1)                 # [TILE]
-        scores = tl.where(in_seq, scores, float("-inf"))       # padding positions get zero weight
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new max (0 on the first tile)
-        p = tl.exp2(scores - m_new)                            # [TILE]
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+    m_i, l_i, acc = _online_softmax_over_range(
+        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, 0, seq_len,
+        stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok, BLOCK_SIZE, TILE, QUANTIZED)
     out = acc / l_i  # seq_len >= 1, so l_i >= 1: the maximum's own term is exp2(0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -135,70 +157,32 @@ def _paged_decode_split_kernel(
     part_max_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's running max (base 2)
     part_sum_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's sum of exp2(s - max)
     part_acc_ptr,        # [num_seqs, num_heads, num_splits, head_dim] fp32 scratch: unnormalised outputs
-    q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
-    k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
-    v_cache_ptr,         # the value pool: same shape and strides as the key pool
-    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head); None unless QUANTIZED
-    v_scale_ptr,         # the same for V
-    block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
-    seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool
-    scale,               # softmax scale, usually head_dim ** -0.5
+    # The inputs, strides and constants below mean what they mean for _paged_decode_kernel:
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, scale,
     tokens_per_split,    # positions each split covers, a multiple of TILE
-    stride_q_seq,        # elements between two sequences' queries
-    stride_q_head,       # elements between two heads of one query
-    stride_cache_block,  # elements between two physical blocks of a pool
-    stride_cache_slot,   # elements between two token slots of one block
-    stride_cache_head,   # elements between two KV heads of one slot
-    stride_table_seq,    # elements between two rows of block_tables
-    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
-    HEAD_DIM: tl.constexpr,        # real head_dim
-    HEAD_DIM_PAD: tl.constexpr,    # next power of two of HEAD_DIM
-    BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two
-    TILE: tl.constexpr,            # positions loaded per loop iteration
-    QUANTIZED: tl.constexpr,       # True: the pools hold int8 / fp8 values to multiply by k_scale / v_scale
+    stride_q_seq, stride_q_head, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // QUERIES_PER_KV
     seq_len = tl.load(seq_lens_ptr + seq)
-    if QUANTIZED:
-        num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV
+    num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV
     # This program's range [split_start, split_end); empty for splits past a short sequence's end.
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    q = q * (scale * 1.4426950408889634)
-
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    q = _load_query_base2(q_ptr + seq * stride_q_seq + head * stride_q_head, dims, dim_ok, scale)
     table_row = block_tables_ptr + seq * stride_table_seq
     # The same online softmax as the one-pass kernel, over this split's range only.
-    for start in range(split_start, split_end, TILE):
-        pos = start + tl.arange(0, TILE)
-        in_range = pos < split_end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
-        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]
-        kv_mask = in_range[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            scale_offsets = block * num_kv_heads + kv_head
-            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
-        scores = tl.where(in_range, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+    m_i, l_i, acc = _online_softmax_over_range(
+        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, split_start,
+        split_end, stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok, BLOCK_SIZE, TILE,
+        QUANTIZED)
 
     # Not normalised: the reduce kernel needs max, sum and accumulator to rescale splits against each
     # other. Empty splits write nothing; the reduce kernel knows from seq_len which splits exist.
@@ -255,6 +239,7 @@ RUNS_IN_INTERPRETER = isinstance(_paged_decode_kernel, InterpretedFunction)
 # interpreter-mode helpers break an ahead-of-time compile. Their twins of the right kind stand in while
 # our kernels run or compile, and the originals are put back afterwards.
 _TWINS = {}
+DEVICE_FUNCTIONS = ("_load_query_base2", "_online_softmax_over_range")  # @triton.jit helpers of this module the kernels call
 
 
 def _twin(helper, interpreted: bool):
@@ -276,6 +261,13 @@ def triton_language_as(interpreted: bool):
                 if isinstance(value, wrong) and value.fn.__module__.startswith("triton.language"):
                     swapped.append((space, name, value))
                     setattr(space, name, _twin(value, interpreted))
+    # Our own device function is called from the kernels by its global name: it must match the mode too.
+    this = sys.modules[__name__]
+    for name in DEVICE_FUNCTIONS:
+        value = getattr(this, name)
+        if isinstance(value, wrong):
+            swapped.append((this, name, value))
+            setattr(this, name, _twin(value, interpreted))
     try:
         yield
     finally:
@@ -495,6 +487,13 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
+def _launch_inputs(shape: PagedDecodeShape, q, block_tables, seq_lens):
+    """Checks shared by both launchers, then q, block_tables, seq_lens with unit last stride and the padded head dim."""
+    _check_mode(q.device)
+    q, block_tables, seq_lens = _unit_last_stride(q, block_tables, seq_lens)
+    return q, block_tables, seq_lens, triton.next_power_of_2(shape.head_dim)
+
+
 def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=DEFAULT_TILE,
                         k_scale=None, v_scale=None):
     """Launch the one-pass kernel on validated inputs, writing out [num_seqs, num_heads, head_dim]; no checks.
@@ -504,9 +503,7 @@ def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tabl
     quantized = _is_quantized(k_cache, k_scale, v_scale)
     if shape.num_seqs == 0:
         return out
-    _check_mode(q.device)
-    q, block_tables, seq_lens = _unit_last_stride(q, block_tables, seq_lens)
-    head_dim_pad = triton.next_power_of_2(shape.head_dim)
+    q, block_tables, seq_lens, head_dim_pad = _launch_inputs(shape, q, block_tables, seq_lens)
     grid = (shape.num_seqs, shape.num_heads)
     with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
         _paged_decode_kernel[grid](
@@ -541,8 +538,7 @@ def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, b
     quantized = _is_quantized(k_cache, k_scale, v_scale)
     if shape.num_seqs == 0:
         return out
-    _check_mode(q.device)
-    q, block_tables, seq_lens = _unit_last_stride(q, block_tables, seq_lens)
+    q, block_tables, seq_lens, head_dim_pad = _launch_inputs(shape, q, block_tables, seq_lens)
     tokens_per_split, num_splits = split_plan(shape.max_seq_len, num_splits, tile)
     if workspace is None:
         workspace = allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits, shape.head_dim, q.device)
@@ -550,7 +546,6 @@ def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, b
     if part_max.shape != (shape.num_seqs, shape.num_heads, num_splits):
         raise ValueError(f"workspace is for {tuple(part_max.shape)} but this call needs "
                          f"{(shape.num_seqs, shape.num_heads, num_splits)} (num_splits rounded to whole tiles)")
-    head_dim_pad = triton.next_power_of_2(shape.head_dim)
     with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
         _paged_decode_split_kernel[(shape.num_seqs, shape.num_heads, num_splits)](
             part_max, part_sum, part_acc, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
