@@ -47,8 +47,35 @@ def test_every_dependency_has_a_pinned_version_for_the_cpu_setup():
     assert not missing, f"requirements/constraints.txt pins no version for {missing}; scripts/setup.sh installs from it"
 
 
+def _pins() -> dict[str, str]:
+    """requirements/constraints.txt as {name: version}; every line must be an exact name==version pin."""
+    pins = {}
+    for line in (ROOT / "requirements/constraints.txt").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+-]*)", line.strip())
+        assert match, f"constraints.txt line {line!r} is not an exact pin name==version: scripts/setup.sh needs exact ones"
+        assert match.group(1).lower() not in pins, f"{match.group(1)} is pinned twice"
+        pins[match.group(1).lower()] = match.group(2)
+    return pins
+
+
 def test_setup_pins_the_versions_that_install_together_on_cpu():
-    pins = (ROOT / "requirements/constraints.txt").read_text()
-    for pin in ["torch==2.13.0", "triton==3.7.1", "transformers==5.24.0", "nbgrader==0.9.6"]:
-        assert pin in pins, f"{pin} is the version known to install on a CPU machine with Python 3.11"
-    assert re.search(r"^numpy==", pins, re.M), "numpy must be listed explicitly: Triton's interpreter needs it"
+    pins = _pins()
+    known = {"torch": "2.13.0", "triton": "3.7.1", "transformers": "5.24.0", "nbgrader": "0.9.6"}
+    for name, version in known.items():
+        assert pins.get(name) == version, (
+            f"{name}=={version} is the version known to install on a CPU machine with Python 3.11, "
+            f"constraints.txt has {pins.get(name)!r}")
+    assert "numpy" in pins, "numpy must be listed explicitly: Triton's interpreter needs it"
+
+
+def test_every_pin_satisfies_the_range_pyproject_promises():
+    """A pin outside pyproject's range would make setup.sh ask pip for the impossible."""
+    from packaging.requirements import Requirement
+
+    pins = _pins()
+    for req in map(Requirement, _pyproject_requirements()):
+        version = pins[req.name.lower()]
+        assert req.specifier.contains(version, prereleases=True), (
+            f"constraints.txt pins {req.name}=={version}, outside pyproject.toml's {req.name}{req.specifier}")

@@ -81,6 +81,19 @@ def test_greedy_generation(model, tokenizer):
     again = model.generate(**inputs, max_new_tokens=100, do_sample=False)
     assert torch.equal(out, again)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+    # The model card prints this very continuation: weights, tokenizer and card must agree.
+    card = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
+    documented = re.search(r"Greedy \(`do_sample=False`, 100 new characters\).*?```text\n(.*?)```", card, re.S)
+    assert documented, "the model card lost its greedy example"
+    assert tokenizer.decode(out[0], skip_special_tokens=True) == documented.group(1).rstrip("\n"), (
+        "greedy output differs from the model card's: the shipped weights or tokenizer changed without the card")
+
+
+def test_the_model_card_states_the_true_parameter_count(model):
+    card = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"\| parameters \| \*\*([\d,]+)\*\* \|", card)
+    assert stated, "the model card's architecture table lost its parameter row"
+    assert int(stated.group(1).replace(",", "")) == sum(p.numel() for p in model.parameters())
 
 
 def test_samples_are_recognisable_english(model, tokenizer, corpus):

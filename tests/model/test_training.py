@@ -1,5 +1,7 @@
-"""The training script runs end to end and its output loads with from_pretrained."""
+"""The training script runs end to end, learns, is reproducible from its seed, and its output loads with from_pretrained."""
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -8,6 +10,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,3 +44,41 @@ def test_three_training_steps_save_a_loadable_model(tmp_path):
     generated = model.generate(**inputs, max_new_tokens=10, do_sample=False)
     assert prompt_len < generated.shape[1] <= prompt_len + 10  # an early <eos> may stop it
     assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def _train(tmp_path, name, *extra):
+    """Run tools/train_model.py on a corpus slice with a tiny configuration; returns its output folder."""
+    out = tmp_path / name
+    text = tmp_path / "slice.txt"
+    if not text.exists():
+        text.write_text(CORPUS.read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(SCRIPT), "--steps", "30", "--batch-size", "8", "--seq-len", "64", "--warmup", "3",
+           "--lr", "3e-3", "--eval-every", "30", "--eval-batches", "2", "--layers", "1", "--hidden", "64",
+           "--heads", "2", "--kv-heads", "1", "--ffn", "128", "--sample-chars", "10", "--text", str(text),
+           "--out", str(out), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_training_learns_follows_its_arguments_and_is_reproducible(tmp_path):
+    """Same seed, same weights bit for bit; another seed, other weights; the loss falls well below chance."""
+    first, again, other = _train(tmp_path, "a"), _train(tmp_path, "b"), _train(tmp_path, "c", "--seed", "7")
+    weights = [load_file(str(out / "model.safetensors")) for out in (first, again, other)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), \
+        "two runs with the same seed must write identical weights (the model card's training is reproducible)"
+    assert any(not torch.equal(weights[0][k], weights[2][k]) for k in weights[0]), "a different seed changed nothing"
+
+    summary = json.loads((first / "training_summary.json").read_text())
+    config = json.loads((first / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"]) == (1, 64, 2, 1, 128), \
+        "the saved config must be the architecture the command line asked for"
+    chance = math.log(config["vocab_size"])  # the loss of a uniform guess over the vocabulary
+    assert math.isfinite(summary["final_val_loss"]) and math.isfinite(summary["final_train_loss"])
+    assert summary["final_train_loss"] < 0.85 * chance, (
+        f"after 30 steps the training loss {summary['final_train_loss']:.3f} should be well below "
+        f"chance ({chance:.3f}): the model is not learning")
+    assert summary["parameters"] == sum(w.numel() for k, w in weights[0].items() if "lm_head" not in k)
