@@ -5,16 +5,67 @@ a decode, the next chunk of the prompt for a prefill, never more than max_num_ba
 When the pool has no block for a running request, the most recently admitted running request is
 preempted (it has done the least work, so it loses the least): by recompute (free its blocks, put it
 back at the front of the waiting queue, run its tokens again later) or by swap (copy its blocks to
-the CPU pool, copy them back later). Only in a step without preemption are new requests admitted:
-swapped ones first, then waiting ones, while the budget, max_num_seqs and the free blocks allow.
+the CPU pool, put it at the front of the swapped queue, copy them back later). Only in a step
+without preemption are new requests admitted: swapped ones first, then waiting ones (none while a
+swapped one still waits), while the budget, max_num_seqs and the free blocks allow.
+
+The rules themselves are the three pure functions below, plain numbers in and out, which
+Scheduler.schedule calls (Chapter 6's exercises are checked against them):
+
+    next_chunk_size            how many of a request's remaining tokens the budget left lets it compute
+    split_token_budget         the step's budget over the running requests, in admission order
+    choose_preemption_victims  whom to preempt, most recently admitted first, until the others fit
+
+Scheduler.schedule reads the numbers off its queues and the KVCacheManager, asks these rules, and
+carries out what they decide.
 """
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.request import Request, RequestStatus
 from kvlab.cache.swap import SwapSpace
+
+
+# ----- the rules, as pure functions -----
+
+def next_chunk_size(num_tokens_to_compute: int, token_budget: int) -> int:
+    """A request computes as many of its remaining tokens as the budget left allows: all of them, or the next chunk."""
+    return min(num_tokens_to_compute, token_budget)
+
+
+def split_token_budget(num_tokens_to_compute: list[int], token_budget: int) -> list[int]:
+    """Requests in admission order each get next_chunk_size of the budget the earlier ones left (0 once it is spent)."""
+    shares = []
+    for tokens in num_tokens_to_compute:
+        share = next_chunk_size(tokens, token_budget)
+        shares.append(share)
+        token_budget -= share
+    return shares
+
+
+# running: (request_id, blocks its preemption returns to the pool) in admission order; blocks_needed: request_id ->
+# the new blocks its tokens of this step take. Returns the victims' ids in the order they are preempted.
+def choose_preemption_victims(running: list[tuple[Hashable, int]], num_free_blocks: int,
+                              blocks_needed: dict[Hashable, int]) -> list[Hashable]:
+    """Walking the running requests in admission order, while one needs more blocks than are free, the last one
+    still running is preempted (possibly itself, which ends the walk)."""
+    still_running = list(running)
+    victims = []
+    i = 0
+    while i < len(still_running):
+        request_id = still_running[i][0]
+        while blocks_needed[request_id] > num_free_blocks:
+            victim, freed = still_running.pop()
+            victims.append(victim)
+            num_free_blocks += freed
+            if victim == request_id:
+                return victims  # the requests after it are gone already; the ones before it keep their blocks
+        num_free_blocks -= blocks_needed[request_id]
+        i += 1
+    return victims
 
 
 @dataclass(slots=True)
@@ -72,24 +123,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating cache slots for every scheduled token."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens_to_compute, budget)
-            while self.kv.num_blocks_to_allocate(request.request_id, n) > self.kv.num_free_blocks:
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
+        running = list(self.running)
+        # The budget goes to the running requests first, in admission order.
+        shares = split_token_budget([r.num_tokens_to_compute for r in running], self.max_num_batched_tokens)
+        # Preempt until every request the budget reached has room for its tokens.
+        victims = choose_preemption_victims(
+            [(r.request_id, freed) for r, freed in zip(running, self._blocks_freed_by_preemption())],
+            self.kv.num_free_blocks,
+            {r.request_id: self.kv.num_blocks_to_allocate(r.request_id, n) for r, n in zip(running, shares)})
+        # Every victim goes before anyone allocates: a victim's blocks join the back of the free queue and
+        # allocation takes from its front, so each request gets the blocks it would in a walk that interleaves them.
+        by_id = {r.request_id: r for r in running}
+        for request_id in victims:
+            self.running.remove(by_id[request_id])
+            self._preempt(by_id[request_id], out)
+        for request, n in zip(running, shares):
+            if n and request in self.running:
                 out.scheduled.append(ScheduledRequest(request, n, self._allocate(request, n)))
-                budget -= n
-                i += 1
-                continue
-            break  # the request itself was preempted, and it was the last running one
         if out.preempted:
             return out  # no room to spare this step: admit nobody
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             scheduled = self._swap_in(self.swapped[0], budget, out)
             if scheduled is None:
@@ -104,6 +157,21 @@ class Scheduler:
             budget -= scheduled.num_new_tokens
         return out
 
+    def _blocks_freed_by_preemption(self) -> list[int]:
+        """Per running request, the blocks that preempting it returns to the pool once every later one is preempted.
+
+        Victims go from the back, so those are its blocks that no earlier running request shares (with
+        prefix caching, the n completions of one prompt share its full blocks).
+        """
+        tables = self.kv.block_tables
+        held_before: set[int] = set()
+        freed = []
+        for request in self.running:
+            own = set(tables[request.request_id]) - held_before
+            freed.append(len(own))
+            held_before |= own
+        return freed
+
     def _allocate(self, request: Request, n: int, computed_blocks=()) -> list[int]:
         start = request.num_computed_tokens
         # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
@@ -115,7 +183,7 @@ class Scheduler:
         # A re-admitted (recompute-preempted) request looks up its prompt *and* outputs: the blocks it
         # freed may still be cached, which makes the recompute cheaper.
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
-        n = min(request.num_tokens - num_cached, budget)
+        n = next_chunk_size(request.num_tokens - num_cached, budget)
         if self.kv.num_blocks_to_allocate(request.request_id, n, hits) > self.kv.num_free_blocks:
             return None
         request.num_computed_tokens = num_cached
@@ -130,7 +198,7 @@ class Scheduler:
         rid, computed = request.request_id, request.num_computed_tokens
         tokens = request.all_token_ids
         hits, num_cached = self.kv.get_computed_blocks(rid, tokens[:computed])
-        n = min(request.num_tokens_to_compute, budget)
+        n = next_chunk_size(request.num_tokens_to_compute, budget)
         # Room for the swapped-in blocks and this step's tokens, checked before anything changes.
         needed = self.kv.num_blocks_to_allocate(rid, computed + n - num_cached, hits)
         if needed > self.kv.num_free_blocks:

@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 from conftest import make_tiny_model
 
 from kvlab import LLM, BeamSearchParams, SamplingParams
@@ -35,6 +34,26 @@ def assert_pool_empty(engine):
         assert engine.swap_space.num_free_blocks == engine.swap_space.num_blocks, "CPU blocks leaked"
 
 
+def record_schedules(engine) -> list[list[tuple[str, int, int]]]:
+    """Keep every step's SchedulerOutput as (request id, first new position, new tokens) per scheduled request."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        # Before the forward pass, num_computed_tokens is where this step's new tokens start.
+        steps.append([(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recorded
+    return steps
+
+
+def prompt_chunks(steps, request_id, prompt_len) -> list[tuple[int, int]]:
+    """The (start, end) positions of a request's prompt computed in each step, in order (recomputes included)."""
+    return [(start, start + n) for step in steps for rid, start, n in step if rid == request_id and start < prompt_len]
+
+
 CONFIGS = {
     # name: engine arguments; the small pools force preemptions
     "roomy": dict(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256),
@@ -53,6 +72,7 @@ CONFIGS = {
 def test_greedy_equals_generate(embedded, references, name):
     model, tokenizer = embedded
     llm = LLM(model, tokenizer, **CONFIGS[name])
+    steps = record_schedules(llm.llm_engine)
     outs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [o.prompt for o in outs] == PROMPTS, "one output per prompt, in the prompts' order"
     for prompt, out, ref in zip(PROMPTS, outs, references):
@@ -69,6 +89,17 @@ def test_greedy_equals_generate(embedded, references, name):
         assert running <= CONFIGS[name]["max_num_seqs"]
     if name == "chunked prefill":
         assert any(len(e["prefill"]) and e["tokens"][e["prefill"][0]] < 7 or e["batched_tokens"] == 7 for e in engine.history)
+        assert all(sum(n for *_, n in step) <= 7 for step in steps), "no SchedulerOutput holds more than the budget"
+        assert engine.scheduler.num_preemptions == 0, "64 blocks are roomy: every prompt is computed once"
+        lengths = {rid: len(req.prompt_token_ids) for rid, req in engine.requests.items()}
+        assert sum(P > 7 for P in lengths.values()) >= 3, "set-up: several prompts are longer than the budget"
+        for rid, P in lengths.items():
+            chunks = prompt_chunks(steps, rid, P)
+            assert len(chunks) >= -(-P // 7) and (P <= 7 or len(chunks) >= 2), (
+                f"{rid}: a prompt of {P} tokens under a budget of 7 is split over several steps, got {chunks}")
+            assert all(end - start <= 7 for start, end in chunks), f"{rid}: chunks of at most 7 tokens, got {chunks}"
+            assert [start for start, _ in chunks] == [0] + [end for _, end in chunks[:-1]] and chunks[-1][1] == P, (
+                f"{rid}: each chunk starts where the one before ended, and the last ends the prompt: {chunks}")
     assert_pool_empty(engine)
 
 
@@ -89,14 +120,26 @@ def test_one_forward_pass_per_step_mixes_prefill_and_decode(embedded):
 def test_long_prompt_is_prefilled_in_chunks(embedded, references):
     model, tokenizer = embedded
     engine = LLMEngine(model, tokenizer, num_blocks=32, max_num_batched_tokens=8)
+    steps = record_schedules(engine)
     engine.add_request("long", PROMPTS[2], greedy(MAX_TOKENS[2]))
     outs = []
+    first_token_step = None
     while engine.has_unfinished_requests():
         outs += engine.step()
+        if outs and first_token_step is None:
+            first_token_step = engine.step_count
     chunks = [e["tokens"]["long"] for e in engine.history if "long" in e["prefill"]]
     P = len(tokenizer(PROMPTS[2])["input_ids"])
     assert sum(chunks) == P and max(chunks) == 8, f"prompt of {P} tokens in chunks of at most 8, got {chunks}"
     assert outs[-1].outputs[0].token_ids == references[2]
+    # What the scheduler handed out, step by step: the prompt split into budget-sized chunks, in order.
+    positions = prompt_chunks(steps, "long", P)
+    expected = [(start, min(start + 8, P)) for start in range(0, P, 8)]
+    assert P > 8 and positions == expected, (
+        f"a {P}-token prompt under a budget of 8 runs as chunks of 8 (the last one shorter) in "
+        f"{len(expected)} consecutive steps; the scheduler gave {positions}")
+    assert all(len(step) == 1 and step[0][2] <= 8 for step in steps), "every SchedulerOutput stays within the budget"
+    assert first_token_step == len(expected), "the first token is sampled at the end of the last chunk, not before"
 
 
 def test_stop_tokens_and_eos(embedded, references):
