@@ -1,1 +1,8 @@
-"""Block bookkeeping in plain Python, no tensors (vLLM's v1/core): block tables, the block pool, prefix hashing, fork."""
+"""Block bookkeeping in plain Python, no tensors (vLLM's v1/core): block tables, the block pool, prefix hashing, fork.
+
+Every chapter's block manager speaks one vocabulary, vLLM V1's (kvlab.core.paging.BaseBlockManager):
+get_computed_blocks, num_blocks_to_allocate, allocate_slots and free, with the queries block_size,
+num_blocks, num_free_blocks, block_tables and num_tokens. paging.BlockManager (Chapter 3) keeps a free
+list; kv_cache_manager.KVCacheManager (Chapter 4) adds prefix caching on block_pool.BlockPool;
+fork.CowBlockManager (Chapter 5) adds fork and copy-on-write.
+"""

@@ -10,11 +10,15 @@ Free blocks (cached or not) wait in one queue ordered by when they were freed. A
 from the front, so the block freed longest ago is reused (and its cached contents evicted) first:
 LRU eviction without any timestamps. A cache hit on a free block takes it out of the middle of the
 queue, which is why the queue is a doubly linked list rather than a deque.
+
+PooledBlockManager is the part of the block-manager vocabulary (kvlab.core.paging.BaseBlockManager)
+that every manager on a BlockPool shares: Chapter 4's KVCacheManager and Chapter 5's CowBlockManager.
 """
 
 from collections.abc import Hashable, Iterable, Iterator
 
-from kvlab.validation import check_int, check_positive_int
+from kvlab.core.paging import BaseBlockManager
+from kvlab.validation import check_block_size, check_int, check_positive_int
 
 
 class KVCacheBlock:
@@ -197,3 +201,44 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return None
         return self.cached_block_hash_to_block.get(block_hash)
+
+
+class PooledBlockManager(BaseBlockManager):
+    """Request block tables as lists of KVCacheBlocks, over one reference-counted BlockPool.
+
+    Holds what KVCacheManager and CowBlockManager share: the pool, each running request's blocks
+    (`req_to_blocks`) and token count (`num_tokens`), the queries, and free(), which drops the
+    request's reference to each of its blocks, last block first, so that a request's tail (the
+    block least likely to be shared) goes to the free queue ahead of its prefix.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = check_block_size(block_size)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[object, list[KVCacheBlock]] = {}
+        self.num_tokens: dict[object, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not): all of them can be handed out."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def block_tables(self) -> dict[object, list[int]]:
+        """Request id -> its physical block ids, in logical order (a new dict on every call)."""
+        return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
+
+    def free(self, request_id) -> None:
+        """Drop the request's references, last block first; only blocks nobody else holds become free."""
+        self._check_running(request_id, "free")
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id)))
+        del self.num_tokens[request_id]
+        self._forget(request_id)
+
+    def _forget(self, request_id) -> None:
+        """Drop whatever else a subclass keeps about a request that was just freed."""

@@ -7,24 +7,23 @@ token of each sequence would be written into it. So before a sequence writes int
 block that someone else also holds, it takes a fresh block and orders a copy of the shared one
 (copy-on-write); kvlab.cache.paged_cache.copy_blocks carries out such orders on the K and V pools of
 every layer before the forward pass that writes the new token.
+
+CowBlockManager speaks the block-manager vocabulary of kvlab.core.paging.BaseBlockManager and adds
+two things: fork(parent_id, child_id), and the copy orders that allocate_slots makes, which wait in
+the manager until take_copy_orders() hands them to the engine (vLLM V0's scheduler calls them
+blocks_to_copy):
+
+    slots = manager.allocate_slots(seq_id, 1)          # may swap a shared last block for a fresh one
+    copy_blocks(cache, manager.take_copy_orders())     # [(src_block, dst_block), ...], before the forward pass
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from kvlab.core.block_pool import BlockPool, KVCacheBlock
-from kvlab.validation import check_block_size, check_int
-from kvlab.core.paging import num_blocks_needed
-
-
-@dataclass(slots=True)
-class SequenceBlocks:
-    """One sequence's block table and how many tokens it stores."""
-
-    blocks: list[KVCacheBlock] = field(default_factory=list)
-    num_tokens: int = 0
+from kvlab.core.block_pool import PooledBlockManager
+from kvlab.core.paging import num_blocks_needed, slot_mapping_for
 
 
-class CowBlockManager:
+class CowBlockManager(PooledBlockManager):
     """Per-sequence block tables over a reference-counted BlockPool, with fork and copy-on-write.
 
     Every method checks everything before it changes anything: on an error the manager and the
@@ -32,112 +31,79 @@ class CowBlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16):
-        check_block_size(block_size)
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching=False)
-        self.block_size = block_size
-        self.seqs: dict[int, SequenceBlocks] = {}
-        self.freed: set = set()  # ids of sequences that finished (for clear error messages)
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+        self.copy_orders: list[tuple[int, int]] = []  # (src_block, dst_block) not yet taken by the engine
+        self.freed: set = set()  # ids of sequences that finished and were freed (for clear error messages)
 
     # ----- queries -----
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+    def _needs_copy(self, request_id) -> bool:
+        """Whether the next token of a running sequence lands in a partly filled block that another sequence holds."""
+        blocks = self.req_to_blocks[request_id]
+        return self.num_tokens[request_id] % self.block_size != 0 and blocks[-1].ref_cnt > 1
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+    def num_blocks_to_allocate(self, request_id, num_new_tokens: int, computed_blocks: Sequence = ()) -> int:
+        """Blocks allocate_slots would take: new ones as the last block fills, plus 1 for a copy-on-write copy."""
+        new = super().num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks)
+        copies = num_new_tokens > 0 and request_id in self.num_tokens and self._needs_copy(request_id)
+        return new + int(copies)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.block_pool.num_used_blocks
-
-    def block_table(self, seq_id) -> list[int]:
-        """The physical block ids of a live sequence, in logical order."""
-        return [b.block_id for b in self._live(seq_id, "read").blocks]
-
-    @property
-    def block_tables(self) -> dict:
-        return {sid: [b.block_id for b in s.blocks] for sid, s in self.seqs.items()}
-
-    def num_tokens(self, seq_id) -> int:
-        return self._live(seq_id, "read").num_tokens
-
-    def blocks_to_append(self, seq_id) -> int:
-        """New blocks append_slot(seq_id) would take: 1 when the last block is full (or there is none) or shared and partly filled."""
-        seq = self._live(seq_id, "append to")
-        offset = seq.num_tokens % self.block_size
-        if offset == 0 or not seq.blocks:
-            return 1
-        return 1 if seq.blocks[-1].ref_cnt > 1 else 0
-
-    def _live(self, seq_id, action: str) -> SequenceBlocks:
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            if seq_id in self.freed:
-                raise ValueError(f"cannot {action} sequence {seq_id!r}: it has finished and its blocks were freed")
-            raise ValueError(f"cannot {action} sequence {seq_id!r}: no such sequence")
-        return seq
+    def _why_not_running(self, request_id, action: str) -> str:
+        if request_id in self.freed:
+            return ("double free: " if action == "free" else "") + "it has finished and its blocks were already freed"
+        return "it is unknown"
 
     # ----- changes -----
-    def allocate(self, seq_id, n_tokens: int) -> list[int]:
-        """A new sequence of n_tokens tokens (a prompt): its blocks, and the slot of every token."""
-        check_int("n_tokens", n_tokens, minimum=0)
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists")
-        needed = num_blocks_needed(n_tokens, self.block_size)
-        if needed > self.num_free_blocks:
-            raise MemoryError(f"sequence {seq_id!r} needs {needed} blocks but only {self.num_free_blocks} are free")
-        blocks = self.block_pool.get_new_blocks(needed)
-        self.seqs[seq_id] = SequenceBlocks(blocks, n_tokens)
-        self.freed.discard(seq_id)
-        bs = self.block_size
-        return [blocks[i // bs].block_id * bs + i % bs for i in range(n_tokens)]
+    def allocate_slots(self, request_id, num_new_tokens: int, computed_blocks: Sequence = (),
+                       new_token_ids: Sequence[int] | None = None) -> list[int]:
+        """A new sequence's first num_new_tokens tokens (its prompt), or that many more of a running one: their slots.
+
+        A full last block (or none) means fresh blocks; a partly filled last block that another
+        sequence also holds is replaced by a fresh block that must first receive the shared one's
+        K/V: the copy order (src_block, dst_block) joins copy_orders (see take_copy_orders). A
+        partly filled block held by this sequence alone is written in place.
+        """
+        self._check_new_tokens(num_new_tokens, new_token_ids)
+        self._check_no_computed_blocks(computed_blocks)
+        self._check_free_blocks(request_id, self.num_blocks_to_allocate(request_id, num_new_tokens))
+        pool, size = self.block_pool, self.block_size
+        if request_id not in self.num_tokens:
+            self.req_to_blocks[request_id] = []
+            self.num_tokens[request_id] = 0
+            self.freed.discard(request_id)
+        blocks = self.req_to_blocks[request_id]
+        start = self.num_tokens[request_id]
+        if start and self._needs_copy(request_id):
+            shared = blocks[-1]
+            fresh = pool.get_new_blocks(1)[0]
+            pool.free_blocks([shared])  # ref_cnt > 1: it stays with its other owners
+            blocks[-1] = fresh
+            self.copy_orders.append((shared.block_id, fresh.block_id))
+        end = start + num_new_tokens
+        blocks.extend(pool.get_new_blocks(num_blocks_needed(end, size) - len(blocks)))
+        self.num_tokens[request_id] = end
+        return slot_mapping_for([b.block_id for b in blocks], start, num_new_tokens, size)
+
+    def take_copy_orders(self) -> list[tuple[int, int]]:
+        """The copy-on-write orders (src_block, dst_block) made since the last call, oldest first; clears them.
+
+        Run them (kvlab.cache.paged_cache.copy_blocks) before the forward pass that writes the new tokens.
+        """
+        orders, self.copy_orders = self.copy_orders, []
+        return orders
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares all of the parent's blocks (one more reference each) and its token count."""
-        parent = self._live(parent_id, "fork")
-        if child_id in self.seqs:
+        self._check_running(parent_id, "fork")
+        if child_id in self.num_tokens:
             raise ValueError(f"cannot fork {parent_id!r} into {child_id!r}: sequence {child_id!r} already exists")
-        for block in parent.blocks:
+        blocks = self.req_to_blocks[parent_id]
+        for block in blocks:
             block.ref_cnt += 1  # every block is held by the parent, so none of them is in the free queue
-        self.seqs[child_id] = SequenceBlocks(list(parent.blocks), parent.num_tokens)
+        self.req_to_blocks[child_id] = list(blocks)
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
         self.freed.discard(child_id)
 
-    def append_slot(self, seq_id) -> tuple[int, tuple[int, int] | None]:
-        """Room for one more token: (its slot, a copy order (src_block, dst_block) or None).
-
-        A full last block (or none) means a fresh block; a partly filled last block that another
-        sequence also holds is replaced by a fresh block that must first receive the shared one's
-        K/V (copy-on-write); a partly filled block held by this sequence alone is written in place.
-        """
-        seq = self._live(seq_id, "append to")
-        bs = self.block_size
-        offset = seq.num_tokens % bs
-        copy = None
-        if offset == 0 or not seq.blocks:
-            if self.num_free_blocks < 1:
-                raise MemoryError(f"sequence {seq_id!r} needs a new block but none is free")
-            seq.blocks.append(self.block_pool.get_new_blocks(1)[0])
-        elif seq.blocks[-1].ref_cnt > 1:
-            if self.num_free_blocks < 1:
-                raise MemoryError(f"sequence {seq_id!r} must copy its shared last block but no block is free")
-            shared = seq.blocks[-1]
-            fresh = self.block_pool.get_new_blocks(1)[0]
-            self.block_pool.free_blocks([shared])  # ref_cnt > 1: it stays with its other owners
-            seq.blocks[-1] = fresh
-            copy = (shared.block_id, fresh.block_id)
-        slot = seq.blocks[-1].block_id * bs + offset
-        seq.num_tokens += 1
-        return slot, copy
-
-    def free(self, seq_id) -> None:
-        """Drop the sequence's reference to each of its blocks; only blocks nobody else holds become free."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            if seq_id in self.freed:
-                raise ValueError(f"double free: sequence {seq_id!r} was already freed")
-            raise ValueError(f"cannot free sequence {seq_id!r}: no such sequence")
-        # Last block first: a sequence's tail is the least likely to be shared, so it is reused first.
-        self.block_pool.free_blocks(reversed(seq.blocks))
-        del self.seqs[seq_id]
-        self.freed.add(seq_id)
+    def _forget(self, request_id) -> None:
+        self.freed.add(request_id)
+        # A copy into a block that just went back to the pool has nobody left to read it.
+        self.copy_orders = [(src, dst) for src, dst in self.copy_orders if self.block_pool.blocks[dst].ref_cnt > 0]

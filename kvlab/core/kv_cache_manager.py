@@ -10,25 +10,28 @@ and only the uncached suffix goes through the model. A hit is capped at (len(pro
 blocks, so at least the last prompt token is always computed: the model needs its logits to sample the
 first output token. When a prompt of k full blocks is cached entirely, the hit is therefore k - 1
 blocks and the whole last block (block_size tokens) is recomputed into a fresh block.
+
+These are the calls of every chapter's block manager (kvlab.core.paging.BaseBlockManager); Chapter 3's
+BlockManager answers get_computed_blocks with no hits.
 """
 
 from collections.abc import Hashable, Sequence
 
-from kvlab.core.block_pool import BlockPool, KVCacheBlock
+from kvlab.core.block_pool import KVCacheBlock, PooledBlockManager
 from kvlab.core.paging import num_blocks_needed, slot_mapping_for
 from kvlab.core.prefix_cache import hash_block_tokens
-from kvlab.validation import check_block_size, check_int
 
 
-class KVCacheManager:
-    """Block tables of running requests over one BlockPool; full blocks are cached by prefix hash."""
+class KVCacheManager(PooledBlockManager):
+    """Block tables of running requests over one BlockPool; full blocks are cached by prefix hash.
+
+    The block-manager vocabulary of kvlab.core.paging.BaseBlockManager, with prefix caching:
+    get_computed_blocks finds cached blocks, and allocate_slots hashes every block that fills.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.block_size = check_block_size(block_size)
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.req_to_blocks: dict[object, list[KVCacheBlock]] = {}
-        self.num_tokens: dict[object, int] = {}
         self.num_cached_tokens: dict[object, int] = {}
         # To hash a block when it fills, keep each request's chain of full-block hashes and the
         # tokens of its partly filled last block.
@@ -37,21 +40,6 @@ class KVCacheManager:
         self._req_extra_keys: dict[object, Hashable | None] = {}
         self.queries = 0  # prompt tokens of admitted requests
         self.hits = 0     # of which were served from the cache
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool."""
-        return self.block_pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks no request holds (cached or not)."""
-        return self.block_pool.num_free_blocks
-
-    @property
-    def block_tables(self) -> dict[object, list[int]]:
-        """Request id -> its physical block ids, in logical order."""
-        return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
 
     @property
     def hit_rate(self) -> float:
@@ -69,8 +57,7 @@ class KVCacheManager:
 
         The run stops one token short of the prompt, so the last token is always recomputed.
         """
-        if request_id in self.req_to_blocks:
-            raise ValueError(f"request {request_id!r} is already running: only a new request looks up the cache")
+        self._check_new(request_id)
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = (len(token_ids) - 1) // self.block_size
@@ -87,9 +74,7 @@ class KVCacheManager:
     def num_blocks_to_allocate(self, request_id, num_new_tokens: int,
                                computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
         """Blocks allocate_slots would take from the free queue: new ones plus free cached hits."""
-        held = self.req_to_blocks.get(request_id, [])
-        total = self.num_tokens.get(request_id, 0) + len(computed_blocks) * self.block_size + num_new_tokens
-        new = num_blocks_needed(total, self.block_size) - len(held) - len(computed_blocks)
+        new = super().num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks)
         free_hits = {b.block_id for b in computed_blocks if b.ref_cnt == 0}
         return new + len(free_hits)
 
@@ -101,23 +86,19 @@ class KVCacheManager:
         last one fills, and every block that is now full gets cached under its prefix hash. With prefix
         caching on, new_token_ids (the tokens being added) are required to hash those blocks.
         """
-        check_int("num_new_tokens", num_new_tokens, 1)
         computed_blocks = list(computed_blocks)
         is_new = request_id not in self.req_to_blocks
         # Check everything before changing anything, so a failed call leaves the manager as it was.
+        self._check_new_tokens(num_new_tokens, new_token_ids)
         if computed_blocks and not is_new:
             raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
-        if new_token_ids is not None and len(new_token_ids) != num_new_tokens:
-            raise ValueError(f"{len(new_token_ids)} new token ids for {num_new_tokens} new tokens")
         if self.enable_prefix_caching and new_token_ids is None:
             raise ValueError("prefix caching needs new_token_ids to hash the blocks that fill up")
         for block in computed_blocks:
             if block.block_hash is None or self.block_pool.get_cached_block(block.block_hash) is not block:
                 raise ValueError(f"computed block {block.block_id} of request {request_id!r} is no longer cached "
                                  f"(evicted since get_computed_blocks?)")
-        needed = self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks)
-        if needed > self.num_free_blocks:
-            raise MemoryError(f"request {request_id!r} needs {needed} more blocks but only {self.num_free_blocks} are free")
+        self._check_free_blocks(request_id, self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks))
 
         if is_new:
             # Touch hits before taking new blocks, so the new ones cannot evict them.
@@ -137,8 +118,7 @@ class KVCacheManager:
         self.num_tokens[request_id] = end
         if self.enable_prefix_caching:
             self._cache_filled_blocks(request_id, new_token_ids)
-        size = self.block_size
-        return slot_mapping_for([b.block_id for b in blocks], start, end - start, size)
+        return slot_mapping_for([b.block_id for b in blocks], start, num_new_tokens, self.block_size)
 
     def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
         hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]
@@ -176,10 +156,6 @@ class KVCacheManager:
                 entry["fill"] = max(entry["fill"], min(size, stored - logical * size))
         return blocks
 
-    def free(self, request_id) -> None:
-        """Drop the request's references, last block first, so its tail is evicted before its shared prefix."""
-        if request_id not in self.req_to_blocks:
-            raise KeyError(f"request {request_id!r} holds no blocks: it is unknown or was already freed")
-        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id)))
-        for table in (self.num_tokens, self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys):
+    def _forget(self, request_id) -> None:
+        for table in (self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys):
             del table[request_id]

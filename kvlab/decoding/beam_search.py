@@ -109,8 +109,9 @@ class BeamSearch:
     def _prefill(self) -> None:
         # The prompt is prefilled once; every beam starts as that one sequence.
         P = self.P
-        slots = self.manager.allocate(0, P)
-        logits, layout = forward_batch(self.model, self.cache, [SequenceChunk(self.prompt, 0, self.manager.block_table(0), slots)])
+        slots = self.manager.allocate_slots(0, P)
+        prompt_chunk = SequenceChunk(self.prompt, 0, self.manager.block_tables[0], slots)
+        logits, layout = forward_batch(self.model, self.cache, [prompt_chunk])
         logits = last_token_logits(logits, layout.query_lens)
         self.counters["forward_passes"] += 1
         self.counters["peak_used_blocks"] = self.manager.num_used_blocks
@@ -177,12 +178,8 @@ class BeamSearch:
         self.last_forked = k - len(set(parents))  # children beyond each surviving parent's first
         for old in old_beams:
             manager.free(old)
-        new_slots, copies = [], []
-        for child in children:
-            slot, copy = manager.append_slot(child)
-            new_slots.append(slot)
-            if copy is not None:
-                copies.append(copy)
+        new_slots = [manager.allocate_slots(child, 1) for child in children]
+        copies = manager.take_copy_orders()  # copy-on-write of the extra children's shared last blocks
         copy_blocks(self.cache, copies)
         self.last_copies = copies
         self.counters["copies"] += len(copies)
@@ -191,8 +188,9 @@ class BeamSearch:
         self.run_tokens = [self.run_tokens[p] + [t] for p, t in zip(self._parents, self._new_tokens)]
         self.run_scores = self._new_scores
 
-        chunks = [SequenceChunk([toks[-1]], self.cur - 1, manager.block_table(c), [slot])
-                  for toks, c, slot in zip(self.run_tokens, children, new_slots)]
+        block_tables = manager.block_tables
+        chunks = [SequenceChunk([toks[-1]], self.cur - 1, block_tables[c], slots)
+                  for toks, c, slots in zip(self.run_tokens, children, new_slots)]
         logits, _ = forward_batch(self.model, self.cache, chunks)  # one new token each: every row is a last token
         self.counters["forward_passes"] += 1
         self.log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -219,9 +217,10 @@ class BeamSearch:
         prefilled = self.log_probs is not None
         live = list(dict.fromkeys(self.beam_seq)) if prefilled and not self.done else []
         beam_of = {seq: i for i, seq in enumerate(live)}
+        block_tables = manager.block_tables
         for seq in live:
-            stored = manager.num_tokens(seq)
-            for logical, block_id in enumerate(manager.block_table(seq)):
+            stored = manager.num_tokens[seq]
+            for logical, block_id in enumerate(block_tables[seq]):
                 entry = blocks[block_id]
                 if entry["owner"] is None:
                     entry.update(owner=beam_of[seq], logical=logical)
@@ -235,7 +234,7 @@ class BeamSearch:
             i = beam_of[seq]
             score = float(self.run_scores[i]) if self.cur > self.P else 0.0
             sequences.append({"id": i, "status": f"beam, log-prob {score:.2f}",
-                              "block_table": manager.block_table(seq), "tokens_stored": manager.num_tokens(seq),
+                              "block_table": block_tables[seq], "tokens_stored": manager.num_tokens[seq],
                               "prompt_ids": self.prompt, "output_ids": self.run_tokens[i]})
         for j, (toks, score, kept) in enumerate(zip(self.fin_tokens, self.fin_scores.tolist(), self.fin_done.tolist())):
             if kept:

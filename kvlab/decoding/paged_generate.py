@@ -4,6 +4,11 @@ Each step is one forward pass over a ragged batch: a newly arrived sequence cont
 prompt (prefill), every other running sequence its last token (decode). There is no scheduler and
 no preemption yet (Chapter 6): a step that needs more blocks than are free raises MemoryError
 before touching the pool.
+
+The loop talks to its block manager only through the vocabulary every chapter's manager shares
+(kvlab.core.paging.BaseBlockManager): a joining sequence asks get_computed_blocks for cached
+blocks of its prompt (Chapter 3's BlockManager never has any) and feeds the model only the rest,
+so Chapter 4's PrefixCachingGenerator is this loop with a KVCacheManager plugged in.
 """
 
 from dataclasses import dataclass, field
@@ -12,7 +17,7 @@ from dataclasses import dataclass, field
 from kvlab.model.config import check_fits_context
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
-from kvlab.core.paging import BlockManager
+from kvlab.core.paging import BaseBlockManager, BlockManager
 
 
 @dataclass(slots=True)
@@ -37,17 +42,33 @@ class Sequence:
 
 
 class PagedGenerator:
-    """Runs a real model greedily over many sequences whose K/V live in one shared block pool."""
+    """Runs a real model greedily over many sequences whose K/V live in one shared block pool.
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_blocks_per_seq: int | None = None):
+    block_manager: any manager of the common block-manager API (by default Chapter 3's BlockManager
+    of num_blocks blocks of block_size tokens); with prefix caching, joining prompts skip their hits.
+    """
+
+    # Whether the pre-step block count may overestimate the need (prefix hits found during the step lower it).
+    block_need_is_upper_bound = False
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, max_blocks_per_seq: int | None = None,
+                 block_manager: BaseBlockManager | None = None):
+        if block_manager is None:
+            block_manager = BlockManager(num_blocks, block_size, max_blocks_per_seq)
+        if (block_manager.num_blocks, block_manager.block_size) != (num_blocks, block_size):
+            raise ValueError(f"the block manager has {block_manager.num_blocks} blocks of {block_manager.block_size}, "
+                             f"the generator was asked for {num_blocks} blocks of {block_size}")
         self.model = model
-        self.block_manager = BlockManager(num_blocks, block_size, max_blocks_per_seq)
+        self.block_manager = block_manager
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.block_size = block_size
         self.sequences: dict[int, Sequence] = {}
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.step_count = 0
+        self.prefill_tokens_fed = 0  # prompt tokens that actually went through the model
+        self.num_cached_tokens: dict[int, int] = {}  # seq id -> prompt tokens served from the cache at admission
+        self.last_hit_blocks: set[int] = set()  # block ids that were prefix-cache hits in the last step
 
     def add_request(self, prompt_ids, max_new_tokens: int, arrival_step: int = 0) -> int:
         """Queue a prompt that joins at `arrival_step`; returns its sequence id."""
@@ -69,27 +90,40 @@ class PagedGenerator:
 
     def step(self) -> list[int]:
         """One forward pass for every running sequence; returns the ids of sequences that finished."""
+        manager = self.block_manager
         joining = [s for s in self.waiting if s.arrival_step <= self.step_count]
         batch = self.running + joining
         self.step_count += 1
+        self.last_hit_blocks = set()
         if not batch:
             return []
-        # Tokens each sequence feeds this step: the whole prompt when it joins, else its last token.
-        feeds = [(s.prompt_ids, list(range(len(s.prompt_ids)))) if s in joining
-                 else ([s.output_ids[-1]], [s.num_tokens - 1]) for s in batch]
-        needed = sum(self.block_manager.blocks_to_append(s.seq_id, len(ids)) for s, (ids, _) in zip(batch, feeds))
-        if needed > self.block_manager.num_free_blocks:
-            raise MemoryError(f"this step needs {needed} new blocks but only {self.block_manager.num_free_blocks} are free")
+        # Blocks for the whole prompt of each joining sequence and one token of each running one. Hits
+        # never make a joining sequence take more than that, so once this passes no allocation below
+        # can fail halfway through the batch.
+        needed = sum(manager.num_blocks_to_allocate(s.seq_id, len(s.prompt_ids) if s in joining else 1) for s in batch)
+        if needed > manager.num_free_blocks:
+            bound = "up to " if self.block_need_is_upper_bound else ""
+            raise MemoryError(f"this step needs {bound}{needed} new blocks but only {manager.num_free_blocks} are free")
         chunks = []
-        for s, (ids, positions) in zip(batch, feeds):
-            slots = self.block_manager.append_slots(s.seq_id, len(ids))
-            chunks.append(SequenceChunk(ids, positions[0], self.block_manager.block_tables[s.seq_id], slots))
+        for s in batch:
+            if s in joining:
+                # Looked up one at a time: a request joining later in the batch may hit blocks that one
+                # joining before it has just filled (see kvlab.decoding.prefix_generate).
+                hits, start = manager.get_computed_blocks(s.seq_id, s.prompt_ids)
+                new_ids = s.prompt_ids[start:]
+                self.num_cached_tokens[s.seq_id] = start
+                self.last_hit_blocks.update(b.block_id for b in hits)
+                self.prefill_tokens_fed += len(new_ids)
+            else:
+                hits, new_ids, start = [], [s.output_ids[-1]], s.num_tokens - 1
+            slots = manager.allocate_slots(s.seq_id, len(new_ids), hits, new_token_ids=new_ids)
+            chunks.append(SequenceChunk(new_ids, start, manager.block_tables[s.seq_id], slots))
         logits, layout = forward_batch(self.model, self.cache, chunks)
         done = []
         for seq, token in zip(batch, last_token_logits(logits, layout.query_lens).argmax(-1).tolist()):
             seq.output_ids.append(token)
             if seq.finished:
-                self.block_manager.free(seq.seq_id)
+                manager.free(seq.seq_id)
                 self.finished.append(seq)
                 done.append(seq.seq_id)
         self.running = [s for s in batch if not s.finished]

@@ -51,8 +51,8 @@ def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float 
         probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
-    slots = manager.allocate("prompt", P)
-    logits, layout = forward_batch(model, cache, [SequenceChunk(prompt, 0, manager.block_table("prompt"), slots)])
+    slots = manager.allocate_slots("prompt", P)
+    logits, layout = forward_batch(model, cache, [SequenceChunk(prompt, 0, manager.block_tables["prompt"], slots)])
     last = last_token_logits(logits, layout.query_lens)
     outputs = [[t] for t in draw(last.expand(n, -1))]
     for i in range(n):
@@ -60,21 +60,19 @@ def sample_n(model, prompt_ids, n: int, max_new_tokens: int, temperature: float 
     manager.free("prompt")
     copies = 0
     for step in range(1, max_new_tokens):
-        new_slots, orders = [], []
-        for i in range(n):
-            slot, copy = manager.append_slot(i)
-            new_slots.append(slot)
-            if copy is not None:
-                orders.append(copy)
+        new_slots = [manager.allocate_slots(i, 1) for i in range(n)]
+        orders = manager.take_copy_orders()  # copy-on-write of shared, partly filled last blocks
         copy_blocks(cache, orders)
         copies += len(orders)
         length = P + step
-        chunks = [SequenceChunk([out[-1]], length - 1, manager.block_table(i), [slot])
-                  for i, (out, slot) in enumerate(zip(outputs, new_slots))]
+        block_tables = manager.block_tables
+        chunks = [SequenceChunk([out[-1]], length - 1, block_tables[i], slots)
+                  for i, (out, slots) in enumerate(zip(outputs, new_slots))]
         logits, _ = forward_batch(model, cache, chunks)  # one new token each: every row is a last token
         for out, token in zip(outputs, draw(logits)):
             out.append(token)
-    tables = [manager.block_table(i) for i in range(n)]
+    block_tables = manager.block_tables
+    tables = [block_tables[i] for i in range(n)]
     counts: dict[int, int] = {}
     for table in tables:
         for b in table:

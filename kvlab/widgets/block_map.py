@@ -53,17 +53,23 @@ def seq_colour(seq_id) -> str:
 
 
 def snapshot(engine) -> dict:
-    """The engine's cache state as plain data (see the module docstring); a PagedGenerator or anything alike."""
+    """The engine's cache state as plain data (see the module docstring); a PagedGenerator or anything alike.
+
+    An engine without a snapshot() of its own needs `block_manager` (read through the queries every
+    chapter's block manager shares: block_size, num_blocks, block_tables, num_tokens), `step_count`,
+    `has_unfinished()` and `sequence_views(block_tables, num_tokens)`.
+    """
     if callable(getattr(engine, "snapshot", None)):
         return engine.snapshot()
     manager = engine.block_manager
     size = manager.block_size
+    block_tables, num_tokens = manager.block_tables, manager.num_tokens
     blocks = [{"id": b, "owner": None, "fill": 0, "logical": None} for b in range(manager.num_blocks)]
-    for seq_id, table in manager.block_tables.items():
-        stored = manager.num_tokens[seq_id]
+    for seq_id, table in block_tables.items():
+        stored = num_tokens[seq_id]
         for logical, block in enumerate(table):
             blocks[block].update(owner=seq_id, fill=min(size, stored - logical * size), logical=logical)
-    sequences = engine.sequence_views(manager.block_tables, manager.num_tokens)
+    sequences = engine.sequence_views(block_tables, num_tokens)
     return {
         "block_size": size,
         "num_blocks": manager.num_blocks,

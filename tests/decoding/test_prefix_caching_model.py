@@ -5,6 +5,8 @@ import pytest
 from conftest import make_tiny_model
 from kvlab.analysis.chat_prompts import build_shared_prefix_trace, load_shared_prefix_trace
 from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.decoding.prefix_generate import PrefixCachingGenerator
 
 
@@ -59,6 +61,24 @@ def test_a_step_that_cannot_get_its_blocks_raises_before_touching_the_pool():
     with pytest.raises(MemoryError, match="needs up to 4 new blocks but only 3 are free"):
         gen.step()
     assert gen.kv_cache_manager.num_free_blocks == 3 and gen.kv_cache_manager.block_tables == {}
+
+
+def test_prefix_caching_is_the_chapter_3_loop_on_another_block_manager():
+    assert PrefixCachingGenerator.step is PagedGenerator.step, "one decoding loop, whichever manager holds the blocks"
+    model = make_tiny_model("llama")
+    system = [5, 17, 23, 42, 8, 61, 3, 77, 12, 30]
+    prompts, lengths, arrivals = [system + [40], system + [50, 51], [9, 9, 9]], [5, 4, 6], [0, 2, 2]
+    paged = PagedGenerator(model, num_blocks=32, block_size=4)
+    plugged = PagedGenerator(model, num_blocks=32, block_size=4, block_manager=KVCacheManager(32, 4))
+    for gen in (paged, plugged):
+        for p, n, a in zip(prompts, lengths, arrivals):
+            gen.add_request(p, n, arrival_step=a)
+    assert paged.run() == plugged.run() == [reference_generate(model, p, n) for p, n in zip(prompts, lengths)]
+    assert paged.prefill_tokens_fed == sum(map(len, prompts)) and paged.num_cached_tokens == {0: 0, 1: 0, 2: 0}, \
+        "Chapter 3's BlockManager finds no computed blocks: every prompt token is prefilled"
+    assert plugged.num_cached_tokens == {0: 0, 1: 8, 2: 0} and plugged.prefill_tokens_fed == paged.prefill_tokens_fed - 8
+    with pytest.raises(ValueError, match="the block manager has 16 blocks of 4"):
+        PagedGenerator(model, num_blocks=32, block_size=4, block_manager=KVCacheManager(16, 4))
 
 
 def test_shipped_trace_is_reproducible():
