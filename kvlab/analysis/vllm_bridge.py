@@ -63,7 +63,8 @@ KNOBS = [
          "if the pool cannot hold one sequence this long."),
     Knob("kv_cache_dtype", "kv_cache_dtype", "auto (the model's dtype)",
          "The storage dtype of K and V. vLLM offers fp8 (fp8_e4m3, fp8_e5m2) with per-layer scales, "
-         "about twice the tokens of fp16; kvlab also has int8 with a scale per (block, KV head), to compare."),
+         "about twice the tokens of fp16. kvlab's engine and LLM take \"auto\", \"int8\" or \"fp8_e4m3\" (\"fp8\"), "
+         "with a scale per (block, KV head), so the same kv_cache_memory holds about twice the blocks of fp16."),
 ]
 
 

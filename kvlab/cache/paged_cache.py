@@ -4,18 +4,24 @@ As the runner hook it serves a ragged batch: the T tokens of one forward pass be
 sequences (one prefill chunk or one decode token each). Before the pass, `set_batch` says which
 sequence owns which tokens; `attend` writes every token's K/V through the slot mapping, then each
 sequence's queries attend over its blocks, gathered through its block table.
+
+A PagedKVCache is composed of two parts, so that any pair works:
+
+    storage       how K/V are kept (kvlab.cache.kv_storage): the model's dtype ("auto"), or int8 /
+                  fp8 e4m3 with a scale per (block, KV head), as vLLM's kv_cache_dtype
+    attn_backend  how the queries read them (kvlab.cache.attention_backends): Chapter 3's
+                  per-sequence reference, Chapter 6's batched torch decode, or Chapter 7's Triton kernel
 """
 
 import torch
 
+from kvlab.analysis.kv_size import kv_shape
 from kvlab.cache.attention import causal_attention
+from kvlab.cache.attention_backends import get_attn_backend
+from kvlab.cache.kv_storage import gather_kv, make_kv_storage
 from kvlab.cache.ragged_batch import BatchLayout
 
-
-def gather_kv(pool: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
-    """One sequence's keys (or values) from its blocks: pool [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len, D]."""
-    blocks = pool[torch.as_tensor(block_table, dtype=torch.long, device=pool.device)]  # [n, block_size, Hkv, D]
-    return blocks.flatten(0, 1)[:seq_len].transpose(0, 1)
+__all__ = ["PagedKVCache", "copy_blocks", "gather_kv", "paged_attention"]
 
 
 def paged_attention(q, k_pool, v_pool, block_table, seq_len, scaling):
@@ -23,42 +29,96 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_len, scaling):
 
     q: [H, T_new, D] for the last T_new positions of a sequence of seq_len tokens. Returns [T_new, H, D].
     """
-    return causal_attention(q, gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len), scaling)
+    k, v = gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len)
+    return causal_attention(q, k, v, scaling)
 
 
 class PagedKVCache:
-    """K and V pools for every layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V pools for every layer, each [num_blocks, block_size, num_kv_heads, head_dim], in any storage format.
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    kv_cache_dtype: "auto" (the model's dtype), "int8", "fp8" / "fp8_e4m3"; decode_backend: "reference"
+    (Chapter 3, the default), "torch", "triton" or "auto" (kvlab.cache.attention_backends).
+    """
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 kv_cache_dtype: str = "auto", decode_backend: str = "reference"):
+        self.attn_backend = get_attn_backend(decode_backend, device)  # checked before any pool is allocated
+        self.storage = make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                       dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.batch: BatchLayout | None = None
+        self._plan = None
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int):
-        """Pools sized for a transformers model's layers, KV heads, head dim, dtype and device."""
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, head_dim,
-                   dtype=model.dtype, device=model.device)
+    def for_model(cls, model, num_blocks: int, block_size: int, **kwargs):
+        """Pools sized for a transformers model's layers, KV heads, head dim, dtype and device (kwargs: the rest)."""
+        shape = kv_shape(model.config)
+        return cls(shape["num_layers"], num_blocks, block_size, shape["num_kv_heads"], shape["head_dim"],
+                   dtype=model.dtype, device=model.device, **kwargs)
+
+    # ----- what the storage holds -----
+    @property
+    def k_pools(self) -> list[torch.Tensor]:
+        """K pool per layer, [num_blocks, block_size, Hkv, D] in the storage dtype."""
+        return self.storage.k_pools
+
+    @property
+    def v_pools(self) -> list[torch.Tensor]:
+        """V pool per layer, [num_blocks, block_size, Hkv, D]."""
+        return self.storage.v_pools
+
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        """K's scale per layer, [num_blocks, Hkv] float32; empty unless the storage is 8-bit."""
+        return self.storage.k_scales
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        """V's scale per layer, [num_blocks, Hkv] float32; empty unless the storage is 8-bit."""
+        return self.storage.v_scales
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The storage format: 'auto', 'int8' or 'fp8_e4m3'."""
+        return self.storage.kv_cache_dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What attention computes in: the model's dtype."""
+        return self.storage.dtype
+
+    @property
+    def decode_backend(self) -> str:
+        """The backend's name: 'reference', 'torch' or 'triton' ('auto' resolved)."""
+        return self.attn_backend.name
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with a pool."""
+        return self.storage.num_layers
 
     @property
     def num_slots(self) -> int:
         """Token slots in each pool."""
         return self.num_blocks * self.block_size
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool and every scale."""
+        return self.storage.nbytes
+
+    def bytes_per_token(self) -> float:
+        """Bytes one token slot costs across all layers, K and V, its share of the block scales included."""
+        return self.nbytes / self.num_slots
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's K and V pools as real numbers: two [num_blocks, block_size, Hkv, D] tensors."""
+        return self.storage.dequantized(layer_idx)
+
+    # ----- the runner hook -----
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store new k, v [T, Hkv, D] at their slots of layer layer_idx's pools."""
-        slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
-        if slot_mapping.shape != (k.shape[0],):
-            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({k.shape[0]},), one slot per token")
-        if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= self.num_slots):
-            bad = slot_mapping[(slot_mapping < 0) | (slot_mapping >= self.num_slots)][0]
-            raise ValueError(f"slot {int(bad)} is outside the pool of {self.num_slots} slots ({self.num_blocks} blocks of {self.block_size})")
-        self.k_pools[layer_idx].view(self.num_slots, *k.shape[1:])[slot_mapping] = k
-        self.v_pools[layer_idx].view(self.num_slots, *v.shape[1:])[slot_mapping] = v
+        """Store new k, v [T, Hkv, D] at their slots of layer layer_idx's pools (all checks before any change)."""
+        self.storage.write(layer_idx, k, v, slot_mapping)
 
     def set_batch(self, batch: BatchLayout) -> None:
         """Describe the next forward pass's tokens (checked against the pool before anything is written)."""
@@ -70,19 +130,21 @@ class PagedKVCache:
             if any(not 0 <= b < self.num_blocks for b in table):
                 raise ValueError(f"block table {table} names a block outside the pool of {self.num_blocks}")
         self.batch = batch
+        self._plan = None  # built on the first layer's attend, reused by every other layer
 
     def attend(self, layer_idx, query, key, value, scaling):
         """The runner hook: write this pass's K/V by slot, then each sequence attends over its blocks ([1, T, H, D])."""
         batch = self.batch
         if batch is None:
-            raise RuntimeError("call set_batch(...) before running the model on a PagedKVCache")
+            raise RuntimeError(f"call set_batch(...) before running the model on a {type(self).__name__}")
         self.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
-        outs, start = [], 0
-        for q_len, seq_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
-            q = query[0, :, start:start + q_len]
-            outs.append(paged_attention(q, self.k_pools[layer_idx], self.v_pools[layer_idx], table, seq_len, scaling))
-            start += q_len
-        return torch.cat(outs, dim=0)[None]
+        if self._plan is None:
+            self._plan = self.attn_backend.plan(batch, self.block_size, self.storage.device) or {}
+        return self.attn_backend.attend(self.storage, layer_idx, query, batch, self._plan, scaling)[None]
+
+    def copy_blocks(self, copies) -> None:
+        """Copy block src's K/V (and scales) into block dst for every (src, dst) and layer (copy-on-write)."""
+        copy_blocks(self, copies)
 
 
 def copy_blocks(cache, copies) -> None:
@@ -100,10 +162,9 @@ def copy_blocks(cache, copies) -> None:
         raise ValueError(f"two copies write the same block: {copies}")
     if set(dsts) & {s for s, _ in copies}:
         raise ValueError(f"a block is both copied from and written in {copies}")
-    device = cache.k_pools[0].device
+    device = cache.storage.device
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor(dsts, dtype=torch.long, device=device)
-    # A quantized cache keeps a scale per (block, head) beside each pool: the copy must carry it too.
-    for pools in (cache.k_pools, cache.v_pools, getattr(cache, "k_scales", []), getattr(cache, "v_scales", [])):
-        for pool in pools:
-            pool[dst] = pool[src]
+    # An 8-bit storage keeps a scale per (block, head) beside each pool: the copy carries it too.
+    for tensor in cache.storage.block_tensors():
+        tensor[dst] = tensor[src]

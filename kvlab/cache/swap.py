@@ -3,8 +3,13 @@
 Swapping keeps the K/V a request already computed, at the price of copying every block twice over the
 host link (on a GPU, PCIe); recompute throws the K/V away and runs the tokens through the model again.
 Which costs less depends on block size and sequence length (Kwon et al., SOSP 2023, §7.3).
+
+The CPU pool mirrors every tensor the cache's storage indexes by block (kvlab.cache.kv_storage's
+block_tensors): the K and V pools in their own dtype, and an 8-bit cache's scales with them, since
+int8 or fp8 values mean nothing without the scale of their (block, head).
 """
 
+import math
 from collections import deque
 
 import torch
@@ -13,16 +18,16 @@ from kvlab.validation import check_int
 
 
 class SwapSpace:
-    """num_cpu_blocks blocks per layer, each [block_size, num_kv_heads, head_dim], on the host."""
+    """num_cpu_blocks host blocks per layer, each [block_size, num_kv_heads, head_dim] (plus [num_kv_heads] scales)."""
 
     def __init__(self, cache, num_cpu_blocks: int):
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
         self.cache = cache
-        shape = (num_cpu_blocks, *cache.k_pools[0].shape[1:])
-        pin = cache.k_pools[0].is_cuda  # pinned host memory makes the copies asynchronous-capable and faster
-        dtype = cache.k_pools[0].dtype
-        self.k_pools = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in cache.k_pools]
-        self.v_pools = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in cache.v_pools]
+        device_tensors = cache.storage.block_tensors()
+        pin = device_tensors[0].is_cuda  # pinned host memory makes the copies asynchronous-capable and faster
+        # self.blocks[i] is the host twin of device_tensors[i]: the same shape past the block dim, the same dtype.
+        self.blocks = [torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                       for t in device_tensors]
         self.num_blocks = num_cpu_blocks
         self.free_block_ids = deque(range(num_cpu_blocks))
         self.blocks_swapped_out = 0
@@ -34,14 +39,13 @@ class SwapSpace:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        pool = self.k_pools[0] if self.k_pools else None
-        return 0 if pool is None else 2 * len(self.k_pools) * pool[0].numel() * pool.element_size()
+        """Bytes of one block across all layers, K and V, scales included: what one swap of one block moves."""
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.blocks)
 
-    def _copy(self, src_pools, src_ids, dst_pools, dst_ids) -> None:
-        src = torch.tensor(src_ids, dtype=torch.long, device=src_pools[0].device)
-        dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_pools[0].device)
-        for s, d in zip(src_pools, dst_pools):
+    def _copy(self, src_tensors, src_ids, dst_tensors, dst_ids) -> None:
+        src = torch.tensor(src_ids, dtype=torch.long, device=src_tensors[0].device)
+        dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_tensors[0].device)
+        for s, d in zip(src_tensors, dst_tensors):
             d[dst] = s[src].to(d.device, non_blocking=True)
 
     def swap_out(self, gpu_block_ids: list[int]) -> list[int] | None:
@@ -50,8 +54,7 @@ class SwapSpace:
             return None
         cpu_ids = [self.free_block_ids.popleft() for _ in gpu_block_ids]
         if cpu_ids:
-            self._copy(self.cache.k_pools, gpu_block_ids, self.k_pools, cpu_ids)
-            self._copy(self.cache.v_pools, gpu_block_ids, self.v_pools, cpu_ids)
+            self._copy(self.cache.storage.block_tensors(), gpu_block_ids, self.blocks, cpu_ids)
         self.blocks_swapped_out += len(cpu_ids)
         return cpu_ids
 
@@ -60,8 +63,7 @@ class SwapSpace:
         if len(cpu_block_ids) != len(gpu_block_ids):
             raise ValueError(f"{len(cpu_block_ids)} CPU blocks for {len(gpu_block_ids)} device blocks")
         if cpu_block_ids:
-            self._copy(self.k_pools, cpu_block_ids, self.cache.k_pools, gpu_block_ids)
-            self._copy(self.v_pools, cpu_block_ids, self.cache.v_pools, gpu_block_ids)
+            self._copy(self.blocks, cpu_block_ids, self.cache.storage.block_tensors(), gpu_block_ids)
         self.blocks_swapped_in += len(cpu_block_ids)
 
     def free(self, cpu_block_ids: list[int]) -> None:

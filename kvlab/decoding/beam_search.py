@@ -45,7 +45,8 @@ class BeamSearch:
     """
 
     def __init__(self, model, prompt_ids, beam_width: int, max_new_tokens: int, length_penalty: float = 1.0,
-                 early_stopping: bool | str = False, num_blocks: int | None = None, block_size: int = 16):
+                 early_stopping: bool | str = False, num_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_dtype: str = "auto"):
         check_positive_int("beam_width", beam_width)
         check_positive_int("max_new_tokens", max_new_tokens)
         if early_stopping not in (True, False, "never"):
@@ -62,7 +63,7 @@ class BeamSearch:
         if num_blocks is None:
             num_blocks = self.k * num_blocks_needed(self.max_length, block_size) + 1
         self.manager = CowBlockManager(num_blocks, block_size)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
         self.counters = {"peak_used_blocks": 0, "copies": 0, "forks": 0, "forward_passes": 0}
 
         k = self.k
@@ -251,15 +252,16 @@ class BeamSearch:
 
 def beam_search(model, prompt_ids, beam_width: int, max_new_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, num_blocks: int | None = None, block_size: int = 16,
-                stats: dict | None = None) -> list[tuple[list[int], float]]:
+                stats: dict | None = None, kv_cache_dtype: str = "auto") -> list[tuple[list[int], float]]:
     """The beam_width best hypotheses as (generated token ids, score), best first.
 
     Equal to transformers' `generate(num_beams=beam_width, num_return_sequences=beam_width,
     do_sample=False, ...)` `sequences` (without prompt and padding) and `sequences_scores`.
     `stats`, when given, receives block-usage counters (peak used blocks, copies, forks).
+    `kv_cache_dtype` ("auto", "int8", "fp8") is the cache's storage; copy-on-write copies 8-bit blocks' scales too.
     """
     search = BeamSearch(model, prompt_ids, beam_width, max_new_tokens, length_penalty, early_stopping,
-                        num_blocks, block_size)
+                        num_blocks, block_size, kv_cache_dtype)
     while not search.done:
         search.step()
     if stats is not None:

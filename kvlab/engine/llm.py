@@ -5,12 +5,15 @@
     outputs = llm.generate(["OTHELLO.\\n", "HAMLET.\\n"], SamplingParams(temperature=0, max_tokens=40))
     print(outputs[0].outputs[0].text)
 
+LLM(kv_cache_dtype="int8") (or "fp8", vLLM's knob) stores the K/V cache in 8 bits, for generate and beam_search alike.
+
 `llm.llm_engine` is the step-by-step engine underneath (add_request, step, has_unfinished_requests,
 abort_request), which the notebooks and widgets drive directly.
 """
 
 from collections.abc import Sequence
 
+from kvlab.cache.kv_storage import resolve_kv_cache_dtype
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import CompletionOutput, RequestOutput
 from kvlab.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -20,10 +23,13 @@ class LLM:
     """A model plus a continuous-batching engine; model is None (the embedded model), a name or path, or a loaded model.
 
     dtype and device apply when kvlab loads the model (e.g. LLM("Qwen/Qwen2.5-0.5B-Instruct", dtype=torch.float16,
-    device="cuda")); the other keyword arguments go to LLMEngine.
+    device="cuda")); kv_cache_dtype is "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"); the other
+    keyword arguments go to LLMEngine.
     """
 
-    def __init__(self, model=None, tokenizer=None, dtype=None, device=None, **engine_args):
+    def __init__(self, model=None, tokenizer=None, dtype=None, device=None, kv_cache_dtype: str = "auto",
+                 **engine_args):
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # before a model is loaded for nothing
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
             import torch
 
@@ -32,7 +38,7 @@ class LLM:
             model, loaded_tokenizer = load_model(model, dtype=dtype or torch.float32, device=device)
             tokenizer = tokenizer or loaded_tokenizer
         self.model, self.tokenizer = model, tokenizer
-        self.llm_engine = LLMEngine(model, tokenizer, **engine_args)
+        self.llm_engine = LLMEngine(model, tokenizer, kv_cache_dtype=kv_cache_dtype, **engine_args)
         self._counter = 0
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,7 +87,7 @@ class LLM:
         """Beam search per prompt (Chapter 5's forked, copy-on-write search); outputs hold the beams, best first.
 
         Like vLLM, beam search runs outside the continuous-batching engine: each prompt is searched on
-        its own paged pool, sized like the engine's blocks.
+        its own paged pool, with the engine's block size and kv_cache_dtype.
         """
         from kvlab.decoding.beam_search import beam_search
 
@@ -94,7 +100,8 @@ class LLM:
         for prompt in prompts:
             text, ids = engine._token_ids(prompt)
             beams = beam_search(self.model, ids, params.beam_width, params.max_tokens, params.length_penalty,
-                                params.early_stopping, block_size=engine.block_size)
+                                params.early_stopping, block_size=engine.block_size,
+                                kv_cache_dtype=engine.kv_cache_dtype)
             outputs = []
             for i, (tokens, score) in enumerate(beams):
                 finish = "stop" if tokens and tokens[-1] == engine.eos_token_id else "length"

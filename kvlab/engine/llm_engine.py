@@ -7,6 +7,11 @@
         for out in engine.step():       # RequestOutputs of the requests that moved this step
             ...
 
+kv_cache_dtype="int8" or "fp8" (vLLM's knob) keeps K/V in 8 bits with a scale per (block, KV head):
+the same byte budget (kv_cache_memory) then holds about 4x the blocks of a float32 model, 2x of a
+float16 one. Every decode backend, swap preemption and LLM.beam_search (whose copy-on-write carries
+the scales) run on it.
+
 A request with n > 1 runs as n child requests (as in vLLM V1); with prefix caching on they share the
 prompt's full blocks. Every problem with a new request is found before anything changes, so a bad
 request raises and the engine keeps serving the others.
@@ -20,6 +25,7 @@ import torch
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.cache.batched_attention import BatchedPagedKVCache
+from kvlab.cache.kv_storage import block_bytes as kv_block_bytes, resolve_kv_cache_dtype
 from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.request import FINISH_REASONS, CompletionOutput, Request, RequestOutput, RequestStatus
 from kvlab.model.config import context_length, eos_token_ids
@@ -34,14 +40,6 @@ from kvlab.validation import check_block_size, check_positive_int
 DEFAULT_POOL_BYTES = 512 * 2**20  # the pool's size when neither num_blocks nor kv_cache_memory is given
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token takes in every layer of the model's cache."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    element = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element
-
-
 class LLMEngine:
     """A continuous-batching engine over kvlab's paged cache, block pool, prefix cache and scheduler."""
 
@@ -49,7 +47,9 @@ class LLMEngine:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  num_cpu_blocks: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 decode_backend: str = "auto"):
+                 decode_backend: str = "auto", kv_cache_dtype: str = "auto"):
+        # First, so a bad name allocates nothing; "fp8" becomes "fp8_e4m3".
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.model, self.tokenizer = model, tokenizer
         self.block_size = check_block_size(block_size)
         self.max_model_len = context_length(model) if max_model_len is None else check_positive_int("max_model_len", max_model_len)
@@ -57,7 +57,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's context of {context_length(model)} tokens")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        block_bytes = block_size * kv_bytes_per_token(model)
+        # One block's bytes in the chosen storage, scales included: the same formula the cache's nbytes obeys.
+        stored = str(model.dtype).removeprefix("torch.") if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        block_bytes = kv_block_bytes(model.config, stored, block_size)
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory (a byte budget for the pool), not both")
         if kv_cache_memory is not None:
@@ -74,8 +76,10 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        # Decodes are attended in one batch (torch), or by the Triton kernel on a GPU; "torch" forces the reference.
-        self.cache = BatchedPagedKVCache.for_model(model, num_blocks, block_size, decode_backend)
+        # Decodes are attended in one batch (torch), or by the Triton kernel on a GPU; "torch" forces the batched
+        # torch path. Either reads the storage kv_cache_dtype chose.
+        self.cache = BatchedPagedKVCache.for_model(model, num_blocks, block_size, decode_backend,
+                                                   kv_cache_dtype=self.kv_cache_dtype)
         swap_space = None
         if preemption_mode == "swap":
             swap_space = SwapSpace(self.cache, num_blocks if num_cpu_blocks is None else num_cpu_blocks)

@@ -1,0 +1,171 @@
+"""How a paged cache's queries attend over its storage: the decode backends, any of which reads any storage format.
+
+    "reference"   Chapter 3: each sequence of the pass gathers its blocks through its block table
+                  and runs causal attention on its own
+    "torch"       Chapter 6: the decodes of a pass (one new query each) are gathered together through
+                  one index of their slots, padded to the longest and masked, and attended in one
+                  batched computation; prefill chunks take the reference path
+    "triton"      Chapter 7: the decodes go to the Triton paged decode kernel, which reads the blocks
+                  in place (8-bit pools with their k_scale / v_scale); prefill chunks take the reference path
+    "auto"        "triton" on a CUDA device with Triton installed, "torch" elsewhere
+
+A backend reads K/V only through the storage (kvlab.cache.kv_storage): real numbers for the torch
+paths, the raw pools and scales for the kernel. `plan` is built once per forward pass, from its
+BatchLayout, and reused by every layer.
+"""
+
+import os
+
+import torch
+
+from kvlab.cache.attention import causal_attention
+
+DECODE_BACKENDS = ("auto", "reference", "torch", "triton")
+
+
+def attend_sequence(storage, layer_idx: int, q: torch.Tensor, block_table: list[int], seq_len: int, scaling: float):
+    """One sequence's new queries q [H, T_new, D] over its seq_len tokens in storage -> [T_new, H, D]."""
+    k, v = storage.gather(layer_idx, block_table, seq_len, q.dtype)
+    return causal_attention(q, k, v, scaling)
+
+
+class ReferenceBackend:
+    """Chapter 3's path: one gather and one causal attention per sequence of the pass."""
+
+    name = "reference"
+
+    def plan(self, batch, block_size: int, device):
+        return None
+
+    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
+        """Every sequence's queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
+        outs, start = [], 0
+        for q_len, seq_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            outs.append(attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table, seq_len, scaling))
+            start += q_len
+        return torch.cat(outs, dim=0)
+
+
+class _BatchedDecodeBackend:
+    """Decodes (one new query) attended together by `decode`; prefill chunks one by one, as the reference does."""
+
+    name = ""
+
+    def plan(self, batch, block_size: int, device):
+        """Which sequences decode and their query rows, plus what `decode` needs; None when none decodes."""
+        rows, seqs, start = [], [], 0
+        for i, q_len in enumerate(batch.query_lens):
+            if q_len == 1:
+                rows.append(start)
+                seqs.append(i)
+            start += q_len
+        if not seqs:
+            return None
+        return {"rows": torch.tensor(rows, device=device), "seqs": seqs,
+                **self._decode_plan(batch, seqs, block_size, device)}
+
+    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
+        """Every sequence's queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
+        q_all = query[0].transpose(0, 1)  # [T, H, D]
+        out = torch.empty_like(q_all)
+        decoding = set(plan["seqs"]) if plan else set()
+        start = 0
+        for i, (q_len, seq_len, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
+            if i not in decoding:
+                out[start:start + q_len] = attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table,
+                                                           seq_len, scaling)
+            start += q_len
+        if plan:
+            out[plan["rows"]] = self.decode(storage, layer_idx, q_all[plan["rows"]], plan, scaling)
+        return out
+
+    def _decode_plan(self, batch, seqs: list[int], block_size: int, device) -> dict:
+        raise NotImplementedError
+
+    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBatchedBackend(_BatchedDecodeBackend):
+    """Chapter 6's batched torch decode: one slot gather for all decodes, then fused attention over them."""
+
+    name = "torch"
+
+    def _decode_plan(self, batch, seqs, block_size, device) -> dict:
+        """Each decode's slots, padded to the longest: index [B, Lmax] and its padding mask."""
+        lens = [batch.context_lens[i] for i in seqs]
+        positions = torch.arange(max(lens))
+        index = torch.zeros(len(seqs), len(positions), dtype=torch.long)
+        for r, i in enumerate(seqs):
+            table = torch.tensor(batch.block_tables[i], dtype=torch.long)
+            n = lens[r]
+            index[r, :n] = table[positions[:n] // block_size] * block_size + positions[:n] % block_size
+        mask = positions[None, :] >= torch.tensor(lens)[:, None]  # [B, Lmax]: padding past each sequence's end
+        return {"index": index.to(device), "mask": mask.to(device)}
+
+    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
+        """q [B, H, D] of the decodes -> [B, H, D]."""
+        index = plan["index"]
+        k, v = storage.gather_slots(layer_idx, index.reshape(-1), q.dtype)  # [B * Lmax, Hkv, D] each
+        shape = (*index.shape, *k.shape[1:])
+        return batched_decode_attention(q, k.view(shape), v.view(shape), plan["mask"], scaling)
+
+
+class TritonBackend(_BatchedDecodeBackend):
+    """Chapter 7's kernel for the decodes: it reads the pools (and 8-bit pools' scales) in place."""
+
+    name = "triton"
+
+    def _decode_plan(self, batch, seqs, block_size, device) -> dict:
+        """The decodes' block tables (int32, zero-padded) and lengths, as the kernel reads them."""
+        width = max(len(batch.block_tables[i]) for i in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for r, i in enumerate(seqs):
+            tables[r, :len(batch.block_tables[i])] = torch.tensor(batch.block_tables[i], dtype=torch.int32)
+        lens = [batch.context_lens[i] for i in seqs]
+        return {"block_tables": tables.to(device), "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
+
+    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
+        """q [B, H, D] of the decodes -> [B, H, D]."""
+        # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.
+        from kvlab.kernels import paged_attention_decode
+
+        k_pool, v_pool, k_scale, v_scale = storage.kernel_inputs(layer_idx)
+        return paged_attention_decode(q, k_pool, v_pool, plan["block_tables"], plan["seq_lens"], scaling,
+                                      k_scale=k_scale, v_scale=v_scale)
+
+
+def batched_decode_attention(q, k, v, mask, scaling):
+    """One query per sequence over its gathered K/V: q [B, H, D], k, v [B, L, Hkv, D], mask [B, L] -> [B, H, D].
+
+    mask is True at padding, past each sequence's end.
+
+    torch's fused attention runs all sequences and heads at once, sharing each KV head between its
+    query heads (GQA) without copies.
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=~mask[:, None, None, :], scale=scaling,
+        enable_gqa=num_heads != num_kv_heads)
+    return out[:, :, 0]
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_attn_backend(decode_backend: str, device) -> ReferenceBackend | _BatchedDecodeBackend:
+    """The backend named decode_backend for pools on `device` ("auto": the kernel on CUDA, batched torch elsewhere)."""
+    if decode_backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, got {decode_backend!r}")
+    device = torch.device(device)
+    if decode_backend == "auto":
+        decode_backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if decode_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("decode_backend='triton' runs on a CUDA device, or on CPU in Triton's interpreter "
+                         f"(TRITON_INTERPRET=1 before kvlab.kernels is imported); the pools are on {device.type}")
+    return {"reference": ReferenceBackend, "torch": TorchBatchedBackend, "triton": TritonBackend}[decode_backend]()

@@ -1,0 +1,308 @@
+"""How a paged cache keeps K and V: the storage format behind every PagedKVCache (vLLM's kv_cache_dtype).
+
+    "auto"                   K/V in the model's dtype (float32, float16 or bfloat16), as Chapter 3 stores them
+    "int8", "fp8_e4m3"       8-bit values plus a float32 scale per (block, KV head) for K and one for V
+                             ("fp8" is accepted for fp8_e4m3, as vLLM does)
+
+Each layer has a K pool and a V pool [num_blocks, block_size, Hkv, D]; an 8-bit storage also has
+k_scales[layer] and v_scales[layer] [num_blocks, Hkv], and
+
+    stored = quantize(x / scale)        x ~ stored * scale (dequantised when read)
+
+int8 is symmetric: scale = amax / 127, so every element is off by at most scale / 2. fp8 e4m3 uses
+the same per-(block, head) scale, chosen so the block's largest value lands on fp8's largest
+(448); each element then keeps 3 mantissa bits, a relative error of at most 1/16.
+
+A scale is found from the values written, so it can only grow as a block fills. When new tokens
+need a larger scale than the block already has, the block's stored values are requantised to the
+new scale: they pay a second rounding, so their error grows from scale_old / 2 to at most
+scale_old / 2 + scale_new / 2 for int8 (about twice the one-rounding bound in the worst case).
+A write to a block's first slot starts the block afresh: the block manager hands a sequence a
+block's slot 0 only when the block is new to it, so whatever the block held before is stale.
+
+Fixed (calibrated) scales can be set per layer with `set_scales`; such a layer never rescales, and
+values beyond 127 (int8) or 448 (fp8) times the scale saturate.
+
+A storage writes K/V by slot and reads them back as real numbers (a sequence through its block
+table, or any list of slots); `kernel_inputs` hands a kernel the raw pools and scales instead.
+`block_tensors` lists every tensor indexed by block, which copy-on-write and swapping must move
+together, and `block_bytes` is the one formula for what a block of each format costs.
+"""
+
+import torch
+
+from kvlab.analysis.kv_size import DTYPE_BYTES, kv_cache_bytes_per_token, kv_shape
+from kvlab.quantization import (
+    SCALE_BYTES,
+    SCALE_FLOOR,
+    SUPPORTED_KV_CACHE_DTYPES,
+    dequantize,
+    quantize,
+    storage_format,
+)
+from kvlab.validation import check_block_size
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what a paged cache and the engine accept
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}     # vLLM's "fp8" means e4m3
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype) -> str:
+    """vLLM's kv_cache_dtype checked and made canonical: 'auto', 'int8' or 'fp8_e4m3' ('fp8' is fp8_e4m3)."""
+    name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose 'auto' (K/V in the model's dtype), 'int8' or "
+            f"'fp8_e4m3' (also spelled 'fp8'): one of auto, int8, fp8, fp8_e4m3"
+        )
+    return name
+
+
+def gather_kv(pool: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
+    """One sequence's keys (or values) from its blocks: pool [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len, D]."""
+    blocks = pool[torch.as_tensor(block_table, dtype=torch.long, device=pool.device)]  # [n, block_size, Hkv, D]
+    return blocks.flatten(0, 1)[:seq_len].transpose(0, 1)
+
+
+def gather_dequantized(pool: torch.Tensor, scales: torch.Tensor, block_table: list[int], seq_len: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One sequence's dequantised keys (or values) -> [Hkv, seq_len, D].
+
+    pool: [num_blocks, block_size, Hkv, D] of int8 / fp8; scales: [num_blocks, Hkv].
+    """
+    stored = gather_kv(pool, block_table, seq_len)  # [Hkv, seq_len, D], still int8 / fp8
+    table = torch.as_tensor(block_table, dtype=torch.long, device=pool.device)
+    per_token = scales[table].repeat_interleave(pool.shape[1], dim=0)[:seq_len]  # [seq_len, Hkv]
+    return dequantize(stored, per_token.transpose(0, 1), dtype)
+
+
+class KVStorage:
+    """K and V in the model's dtype ("auto"): per layer two pools [num_blocks, block_size, Hkv, D]."""
+
+    kv_cache_dtype = "auto"
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 pool_dtype: torch.dtype | None = None):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        pool_dtype = dtype if pool_dtype is None else pool_dtype
+        self.k_pools = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype = dtype  # what attention computes in: the model's dtype
+        self.device = self.k_pools[0].device if self.k_pools else torch.device(device)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with a pool."""
+        return len(self.k_pools)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in each pool."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        """K's scales per layer, [num_blocks, Hkv] each; none here, the values are stored as they are."""
+        return []
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        """V's scales per layer; none here."""
+        return []
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose first dim is the block ([num_blocks, ...]): what a block copy or a swap must move."""
+        return self.k_pools + self.v_pools + self.k_scales + self.v_scales
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool (and every scale)."""
+        return sum(t.numel() * t.element_size() for t in self.block_tensors())
+
+    def _check_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        if slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({num_tokens},), "
+                             f"one slot per token")
+        if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= self.num_slots):
+            bad = slot_mapping[(slot_mapping < 0) | (slot_mapping >= self.num_slots)][0]
+            raise ValueError(f"slot {int(bad)} is outside the pool of {self.num_slots} slots "
+                             f"({self.num_blocks} blocks of {self.block_size})")
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
+        """Store new k, v [T, Hkv, D] at their slots of layer layer_idx's pools (all checks before any change)."""
+        slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
+        self._check_slots(slot_mapping, k.shape[0])
+        self._store(layer_idx, k, v, slot_mapping)
+
+    def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.k_pools[layer_idx].view(self.num_slots, *k.shape[1:])[slot_mapping] = k
+        self.v_pools[layer_idx].view(self.num_slots, *v.shape[1:])[slot_mapping] = v
+
+    def gather(self, layer_idx: int, block_table: list[int], seq_len: int, dtype: torch.dtype):
+        """One sequence's K and V through its block table, as real numbers (already dtype): two [Hkv, seq_len, D]."""
+        return (gather_kv(self.k_pools[layer_idx], block_table, seq_len),
+                gather_kv(self.v_pools[layer_idx], block_table, seq_len))
+
+    def gather_slots(self, layer_idx: int, slots: torch.Tensor, dtype: torch.dtype):
+        """K and V of any slots [N] (int64), as real numbers: two [N, Hkv, D] (already in dtype here)."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return (self.k_pools[layer_idx].view(shape).index_select(0, slots),
+                self.v_pools[layer_idx].view(shape).index_select(0, slots))
+
+    def kernel_inputs(self, layer_idx: int):
+        """(k_cache, v_cache, k_scale, v_scale) as kvlab.kernels.paged_attention_decode reads them; scales None here."""
+        return self.k_pools[layer_idx], self.v_pools[layer_idx], None, None
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's K and V pools as real numbers (the pools themselves): [num_blocks, block_size, Hkv, D]."""
+        return self.k_pools[layer_idx], self.v_pools[layer_idx]
+
+
+def _check_scale(name: str, scale, num_blocks: int, num_kv_heads: int) -> torch.Tensor:
+    """A user-given scale as [num_blocks, Hkv] float32, or ValueError if it is not positive and finite."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if scale.ndim not in (0, 1, 2) or (scale.ndim >= 1 and scale.shape[-1] != num_kv_heads) or (
+            scale.ndim == 2 and scale.shape[0] != num_blocks):
+        raise ValueError(
+            f"{name} has shape {tuple(scale.shape)}; give a number, one scale per KV head ({num_kv_heads},) "
+            f"or one per block and head ({num_blocks}, {num_kv_heads})"
+        )
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        bad = scale.flatten()[~(torch.isfinite(scale.flatten()) & (scale.flatten() > 0))][0]
+        raise ValueError(f"{name} must be positive and finite, got {float(bad)}")
+    return scale.expand(num_blocks, num_kv_heads).clone()
+
+
+class QuantizedKVStorage(KVStorage):
+    """K and V in int8 or fp8 e4m3 pools [num_blocks, block_size, Hkv, D], with float32 scales [num_blocks, Hkv]."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype="int8",
+                 dtype=torch.float32, device="cpu"):
+        pool_dtype, self.qmax = storage_format(kv_cache_dtype)  # raises for an unsupported name
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pool_dtype)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+        self._k_scales = [torch.full((num_blocks, num_kv_heads), SCALE_FLOOR, device=device) for _ in range(num_layers)]
+        self._v_scales = [torch.full((num_blocks, num_kv_heads), SCALE_FLOOR, device=device) for _ in range(num_layers)]
+        self.static = [False] * num_layers  # True once set_scales fixed the layer's scales
+        self.num_requantized = 0            # (block, head) pairs whose stored values were rounded a second time
+
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        """K's scale per (block, KV head) for every layer: [num_blocks, Hkv] float32 each."""
+        return self._k_scales
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        """V's scale per (block, KV head) for every layer."""
+        return self._v_scales
+
+    def _quantize_into(self, pool: torch.Tensor, scales: torch.Tensor, static: bool, x: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        """Quantise x [T, Hkv, D] into pool at slot_mapping, growing (and requantising) block scales as needed."""
+        blocks = slot_mapping // self.block_size
+        touched, which = blocks.unique(return_inverse=True)  # [n] blocks written, and each token's index among them
+        if not static:
+            token_amax = x.abs().amax(dim=-1).float()  # [T, Hkv]
+            amax = torch.zeros(len(touched), x.shape[1], device=x.device).scatter_reduce_(
+                0, which[:, None].expand_as(token_amax), token_amax, "amax")  # [n, Hkv]
+            fresh = torch.isin(touched, blocks[slot_mapping % self.block_size == 0])  # [n]
+            old = scales[touched]
+            base = torch.where(fresh[:, None], torch.full_like(old, SCALE_FLOOR), old)
+            new = torch.maximum(base, amax / self.qmax)  # [n, Hkv]
+            # Existing values of a block whose scale grows are rounded again at the new scale.
+            grown = (new > base) & ~fresh[:, None]
+            rows = grown.any(dim=1)  # [n] blocks with at least one head to requantise
+            if bool(rows.any()):
+                kept = dequantize(pool[touched[rows]], old[rows][:, None, :])  # [m, block_size, Hkv, D]
+                pool[touched[rows]] = quantize(kept, new[rows][:, None, :], self.kv_cache_dtype)
+                self.num_requantized += int(grown.sum())
+            if bool(fresh.any()):
+                pool[touched[fresh]] = torch.zeros((), dtype=pool.dtype, device=pool.device)  # stale values go
+            scales[touched] = new
+        flat = pool.view(self.num_slots, *pool.shape[2:])
+        flat[slot_mapping] = quantize(x, scales[blocks], self.kv_cache_dtype)
+
+    def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise ValueError(f"layer {layer_idx}: K or V holds NaN or inf, which no scale can represent")
+        if slot_mapping.numel() == 0:
+            return
+        static = self.static[layer_idx]
+        self._quantize_into(self.k_pools[layer_idx], self.k_scales[layer_idx], static, k, slot_mapping)
+        self._quantize_into(self.v_pools[layer_idx], self.v_scales[layer_idx], static, v, slot_mapping)
+
+    def gather(self, layer_idx: int, block_table: list[int], seq_len: int, dtype: torch.dtype):
+        """One sequence's K and V through its block table, dequantised to dtype: two [Hkv, seq_len, D]."""
+        return (gather_dequantized(self.k_pools[layer_idx], self.k_scales[layer_idx], block_table, seq_len, dtype),
+                gather_dequantized(self.v_pools[layer_idx], self.v_scales[layer_idx], block_table, seq_len, dtype))
+
+    def gather_slots(self, layer_idx: int, slots: torch.Tensor, dtype: torch.dtype):
+        """K and V of any slots [N] (int64), dequantised to dtype with their blocks' scales: two [N, Hkv, D]."""
+        stored_k, stored_v = super().gather_slots(layer_idx, slots, dtype)
+        blocks = slots // self.block_size
+        return (dequantize(stored_k, self.k_scales[layer_idx].index_select(0, blocks), dtype),
+                dequantize(stored_v, self.v_scales[layer_idx].index_select(0, blocks), dtype))
+
+    def kernel_inputs(self, layer_idx: int):
+        """(k_cache, v_cache, k_scale, v_scale): the 8-bit pools and their [num_blocks, Hkv] float32 scales."""
+        return self.k_pools[layer_idx], self.v_pools[layer_idx], self.k_scales[layer_idx], self.v_scales[layer_idx]
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's K and V pools as real numbers: two [num_blocks, block_size, Hkv, D] tensors."""
+        return (dequantize(self.k_pools[layer_idx], self.k_scales[layer_idx][:, None, :], self.dtype),
+                dequantize(self.v_pools[layer_idx], self.v_scales[layer_idx][:, None, :], self.dtype))
+
+    def set_scales(self, layer_idx: int, k_scale, v_scale) -> None:
+        """Fix layer layer_idx's scales (a number, [Hkv] or [num_blocks, Hkv]); stored values are requantised to them.
+
+        The layer then never rescales: calibrated (static) scales, as vLLM's fp8 k_scale / v_scale.
+        """
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer {layer_idx} does not exist; the cache has {self.num_layers} layers")
+        # Both checked before either is applied, so a bad V scale leaves K untouched too.
+        k_new = _check_scale("k_scale", k_scale, self.num_blocks, self.num_kv_heads).to(self.k_scales[layer_idx].device)
+        v_new = _check_scale("v_scale", v_scale, self.num_blocks, self.num_kv_heads).to(self.v_scales[layer_idx].device)
+        for pool, scales, new in ((self.k_pools[layer_idx], self.k_scales[layer_idx], k_new),
+                                  (self.v_pools[layer_idx], self.v_scales[layer_idx], v_new)):
+            pool.copy_(quantize(dequantize(pool, scales[:, None, :]), new[:, None, :], self.kv_cache_dtype))
+            scales.copy_(new)
+        self.static[layer_idx] = True
+
+
+def make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                    dtype=torch.float32, device="cpu") -> KVStorage:
+    """The storage for a kv_cache_dtype ('auto', 'int8', 'fp8' or 'fp8_e4m3'); a ValueError naming them otherwise."""
+    name = resolve_kv_cache_dtype(kv_cache_dtype)
+    if name == "auto":
+        return KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    return QuantizedKVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, name, dtype, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# What one block costs, before any pool exists: the engine sizes its pool from this.
+
+def _element_dtype(kv_cache_dtype: str) -> tuple[str, bool]:
+    """(kv_size dtype name of one stored element, whether blocks carry per-(block, head) scales)."""
+    if kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES:
+        return "int8", True  # int8 and fp8 both store one byte per element
+    name = str(kv_cache_dtype).removeprefix("torch.")
+    if name in DTYPE_BYTES and name not in ("int8", "fp8", "float8_e4m3fn", "float8_e5m2"):
+        return name, False
+    raise ValueError(
+        f"unsupported kv_cache_dtype {kv_cache_dtype!r}; quantised: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}; "
+        f"unquantised: float32, float16, bfloat16"
+    )
+
+
+def block_bytes(config, kv_cache_dtype: str, block_size: int = 16) -> int:
+    """Bytes of one block across all layers, K and V: elements, plus one float32 scale per KV head when quantised.
+
+    kv_cache_dtype: a stored dtype, 'float32' / 'float16' / 'bfloat16' (what 'auto' stores for such a
+    model) or 'int8' / 'fp8' / 'fp8_e4m3'. Equals a built cache's nbytes / num_blocks.
+    """
+    check_block_size(block_size)
+    element, scaled = _element_dtype(kv_cache_dtype)
+    shape = kv_shape(config)
+    scales = 2 * shape["num_layers"] * shape["num_kv_heads"] * SCALE_BYTES if scaled else 0
+    return block_size * kv_cache_bytes_per_token(config, element) + scales
