@@ -71,8 +71,7 @@ def run_kvlab(model, tokenizer, prompts, lengths, batch, pool_blocks, continuous
         llm = LLM(model, tokenizer, block_size=BLOCK_SIZE, num_blocks=pool_blocks, max_num_seqs=max_seqs,
                   max_num_batched_tokens=256)
         outs = llm.generate(prompts, params, use_tqdm=progress)
-        extra = {"preemptions": llm.llm_engine.scheduler.num_preemptions,
-                 "forward passes": llm.llm_engine.runner.num_forward_passes}
+        stats = llm.llm_engine.stats()
     else:
         engine = StaticBatchingEngine(model, tokenizer, batch_size=batch, block_size=BLOCK_SIZE)
         outs = []
@@ -80,7 +79,10 @@ def run_kvlab(model, tokenizer, prompts, lengths, batch, pool_blocks, continuous
 
         for start in tqdm(range(0, len(prompts), batch), desc="static batches", disable=not progress):
             outs += engine.generate(prompts[start:start + batch], params[start:start + batch])
-        extra = {"forward passes": engine.num_forward_passes, "wasted tokens": engine.tokens_wasted}
+        stats = engine.stats()
+    # The same counters for both engines (kvlab.engine.stats.EngineStats).
+    extra = {"preemptions": stats.num_preemptions, "forward passes": stats.num_forward_passes,
+             "wasted tokens": stats.num_tokens_wasted}
     return [o.outputs[0].token_ids for o in outs], extra
 
 

@@ -17,6 +17,7 @@ from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.stats import EngineStats
 from kvlab.validation import check_positive_int
 
 
@@ -30,9 +31,9 @@ class StaticBatchingEngine:
         # An engine only for its request checks, token handling and cache; its scheduler is never used.
         self._engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=1, max_num_seqs=batch_size)
         self.generator = torch.Generator().manual_seed(seed)
-        self.tokens_computed = 0      # token positions run through the model, wasted ones included
-        self.tokens_wasted = 0        # decode positions of members that had already finished
-        self.peak_reserved_blocks = 0
+        self.num_tokens_computed = 0  # token positions run through the model, wasted ones included
+        self.num_tokens_wasted = 0    # decode positions of members that had already finished
+        self.peak_used_blocks = 0     # the padded reservation of the largest batch
         self.num_forward_passes = 0
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
@@ -62,6 +63,12 @@ class StaticBatchingEngine:
             del engine.requests[r.request_id], engine.parents[r.request_id]
         return outputs
 
+    def stats(self) -> EngineStats:
+        """The run's counters so far, under the continuous engine's names (it never preempts: a batch holds its blocks)."""
+        return EngineStats(num_steps=self.num_forward_passes, num_forward_passes=self.num_forward_passes,
+                           num_tokens_computed=self.num_tokens_computed, num_tokens_wasted=self.num_tokens_wasted,
+                           num_preemptions=0, peak_used_blocks=self.peak_used_blocks)
+
     def _run_batch(self, batch: list[Request]) -> None:
         engine, size = self._engine, self.block_size
         # The padded cache of a batch: every member gets room for the longest prompt plus the most new tokens.
@@ -69,7 +76,7 @@ class StaticBatchingEngine:
         limit = min(reserved, engine.max_model_len)
         per_member = num_blocks_needed(reserved, size)
         cache = BatchedPagedKVCache.for_model(self.model, per_member * len(batch), size)
-        self.peak_reserved_blocks = max(self.peak_reserved_blocks, per_member * len(batch))
+        self.peak_used_blocks = max(self.peak_used_blocks, per_member * len(batch))
         tables = [list(range(i * per_member, (i + 1) * per_member)) for i in range(len(batch))]
         members = list(range(len(batch)))           # who computes in the next pass
         feed = [list(r.prompt_token_ids) for r in batch]  # the tokens each member feeds next
@@ -80,13 +87,13 @@ class StaticBatchingEngine:
             for i in members:
                 lens[i] += len(feed[i])
             self.num_forward_passes += 1
-            self.tokens_computed += sum(layout.query_lens)
+            self.num_tokens_computed += sum(layout.query_lens)
             tokens = sample(last_token_logits(logits, layout.query_lens), [batch[i].params for i in members],
                             [batch[i].generator or self.generator for i in members])
             for i, t in zip(members, tokens):
                 r = batch[i]
                 if r.status.finished:
-                    self.tokens_wasted += 1
+                    self.num_tokens_wasted += 1
                 else:
                     r.append_output(t, engine.max_model_len)
                 feed[i] = [t]

@@ -32,6 +32,7 @@ from kvlab.model.config import context_length, eos_token_ids
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.stats import EngineStats, StepRecord
 from kvlab.cache.swap import SwapSpace
 from kvlab.core.block_views import counters_for
 from kvlab.validation import check_block_size, check_positive_int
@@ -91,7 +92,8 @@ class LLMEngine:
         self.parents: dict[str, list[str]] = {}      # user request id -> its child request ids (in order)
         self.step_count = 0
         self.num_tokens_computed = 0                 # token positions run through the model, recomputes included
-        self.history: list[dict] = []                # one entry per step, for the timeline widget
+        self.history: list[StepRecord] = []          # one record per step, for the timeline widget
+        self.num_tokens_wasted = 0                   # positions computed for requests already finished
         self._arrivals = 0
         eos = eos_token_ids(model)
         self.eos_token_id = eos[0] if eos else None
@@ -190,6 +192,8 @@ class LLMEngine:
                     if not (s.request.output_token_ids and s.request.num_tokens_to_compute == 1)]
         if sched.scheduled:
             self.num_tokens_computed += sched.num_batched_tokens
+            # Measured, not assumed: a finished request is never scheduled, so this stays 0 (static batching's is not).
+            self.num_tokens_wasted += sum(s.num_new_tokens for s in sched.scheduled if s.request.status.finished)
             logits = self.runner.execute(sched, self.kv_cache_manager.block_tables)
             rows, params, gens, reqs = [], [], [], []
             for row, s in enumerate(sched.scheduled):
@@ -210,17 +214,27 @@ class LLMEngine:
         return [self.output(rid) for rid in moved]
 
     def _record(self, sched, prefills: list[str]) -> None:
-        tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
-        self.history.append({
-            "step": self.step_count,
-            "status": {rid: r.status.value for rid, r in self.requests.items()},
-            "tokens": tokens,
-            "prefill": prefills,  # scheduled for prompt (or recompute) tokens rather than one decode
-            "preempted": list(sched.preempted),
-            "used_blocks": self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks,
-            "num_blocks": self.num_blocks,
-            "batched_tokens": sched.num_batched_tokens,
-        })
+        self.history.append(StepRecord(
+            step=self.step_count,
+            status={rid: r.status.value for rid, r in self.requests.items()},
+            tokens={s.request.request_id: s.num_new_tokens for s in sched.scheduled},
+            prefill=tuple(prefills),
+            preempted=tuple(sched.preempted),
+            used_blocks=self.kv_cache_manager.num_used_blocks,
+            num_blocks=self.num_blocks,
+            batched_tokens=sched.num_batched_tokens,
+        ))
+
+    def stats(self) -> EngineStats:
+        """The run's counters so far, under the names static batching reports too."""
+        return EngineStats(
+            num_steps=self.step_count,
+            num_forward_passes=self.runner.num_forward_passes,
+            num_tokens_computed=self.num_tokens_computed,
+            num_tokens_wasted=self.num_tokens_wasted,
+            num_preemptions=self.scheduler.num_preemptions,
+            peak_used_blocks=max((record.used_blocks for record in self.history), default=0),
+        )
 
     # ----- the block map -----
     def snapshot(self) -> dict:

@@ -3,8 +3,8 @@
 Rows are requests, columns are steps. A cell shows what the request did in that step: waiting,
 prefilling (prompt or recompute tokens), decoding one token, preempted (blocks freed), swapped out
 to the CPU pool, or finished. Under the rows, a bar per step shows how full the block pool was.
-It reads only the engine's `history` (one dict per step, see LLMEngine._record), so it can be drawn
-from a finished run too: `render_timeline_html(engine.history)`.
+It reads only the engine's `history` (one kvlab.engine.stats.StepRecord per step, plain data), so it
+can be drawn from a finished run too: `render_timeline_html(engine.history)`.
 """
 
 import html
@@ -26,15 +26,15 @@ CELL_W, CELL_H = 7, 14
 MAX_STEPS_SHOWN = 150
 
 
-def step_state(entry: dict, request_id: str) -> str:
-    """What request_id did in one history entry: a key of STATE_COLOURS, or "" before it arrived."""
-    status = entry["status"].get(request_id)
+def step_state(entry, request_id: str) -> str:
+    """What request_id did in one StepRecord: a key of STATE_COLOURS, or "" before it arrived."""
+    status = entry.status.get(request_id)
     if status is None:
         return ""
-    if request_id in entry["preempted"]:
+    if request_id in entry.preempted:
         return "swapped" if status == "swapped" else "preempted"
-    if request_id in entry["tokens"]:
-        return "prefill" if request_id in entry["prefill"] else "decode"
+    if request_id in entry.tokens:
+        return "prefill" if request_id in entry.prefill else "decode"
     if status.startswith("finished"):
         return "finished"
     if status in ("preempted", "waiting"):
@@ -42,25 +42,25 @@ def step_state(entry: dict, request_id: str) -> str:
     return status if status in STATE_COLOURS else "waiting"
 
 
-def render_timeline_html(history: list[dict], title: str = "") -> str:
-    """The HTML of the timeline for a list of history entries (the last MAX_STEPS_SHOWN steps)."""
+def render_timeline_html(history: list, title: str = "") -> str:
+    """The HTML of the timeline for a list of StepRecords (the last MAX_STEPS_SHOWN steps)."""
     shown = history[-MAX_STEPS_SHOWN:]
-    ids = list(dict.fromkeys(rid for entry in shown for rid in entry["status"]))
+    ids = list(dict.fromkeys(rid for entry in shown for rid in entry.status))
     parts = [f'<div style="font-weight:bold;font-size:14px">{html.escape(title)}</div>'] if title else []
     if not shown:
         parts.append('<div class="kvlab-timeline" data-steps="0" style="font:12px sans-serif;color:#777">'
                      'no step yet: press Step</div>')
         return "".join(parts)
-    first = shown[0]["step"]
+    first = shown[0].step
     rows = []
     for rid in ids:
         cells = []
         for entry in shown:
             state = step_state(entry, rid)
             colour = STATE_COLOURS.get(state, "transparent")
-            tip = f"{rid}, step {entry['step']}: {state or 'not yet arrived'}"
-            if rid in entry["tokens"]:
-                tip += f" ({entry['tokens'][rid]} tokens)"
+            tip = f"{rid}, step {entry.step}: {state or 'not yet arrived'}"
+            if rid in entry.tokens:
+                tip += f" ({entry.tokens[rid]} tokens)"
             border = "1px solid #bbb" if state and state != "finished" else "1px solid transparent"
             cells.append(f'<span class="kvlab-cell" data-state="{state}" title="{html.escape(tip)}" style="display:inline-block;'
                          f'box-sizing:border-box;width:{CELL_W}px;height:{CELL_H}px;background:{colour};border:{border}"></span>')
@@ -70,24 +70,24 @@ def render_timeline_html(history: list[dict], title: str = "") -> str:
                     f'vertical-align:top">{html.escape(str(rid))}</span>{"".join(cells)}</div>')
     bars = []
     for entry in shown:
-        share = entry["used_blocks"] / entry["num_blocks"] if entry["num_blocks"] else 0.0
+        share = entry.used_blocks / entry.num_blocks if entry.num_blocks else 0.0
         height = round(30 * share)
-        bars.append(f'<span title="step {entry["step"]}: {entry["used_blocks"]} of {entry["num_blocks"]} blocks used, '
-                    f'{entry["batched_tokens"]} tokens in the batch" style="display:inline-block;width:{CELL_W}px;height:30px;'
+        bars.append(f'<span title="step {entry.step}: {entry.used_blocks} of {entry.num_blocks} blocks used, '
+                    f'{entry.batched_tokens} tokens in the batch" style="display:inline-block;width:{CELL_W}px;height:30px;'
                     f'vertical-align:bottom;background:linear-gradient(to top,#0072B2 {height}px,#f4f4f4 {height}px)"></span>')
     last = shown[-1]
     counts = {}
     for rid in ids:
         state = step_state(last, rid)
         counts[state] = counts.get(state, 0) + 1
-    summary = (f"step {last['step']} · {last['batched_tokens']} tokens in the batch · {last['used_blocks']} of "
-               f"{last['num_blocks']} blocks used · " + ", ".join(f"{n} {s}" for s, n in counts.items() if s))
+    summary = (f"step {last.step} · {last.batched_tokens} tokens in the batch · {last.used_blocks} of "
+               f"{last.num_blocks} blocks used · " + ", ".join(f"{n} {s}" for s, n in counts.items() if s))
     legend = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{c};border:1px solid #bbb;'
                       f'vertical-align:middle"></span> {s}' for s, c in STATE_COLOURS.items())
     parts.append(
-        f'<div class="kvlab-timeline" data-steps="{len(shown)}" data-step="{last["step"]}" data-used="{last["used_blocks"]}"'
+        f'<div class="kvlab-timeline" data-steps="{len(shown)}" data-step="{last.step}" data-used="{last.used_blocks}"'
         f' style="font-family:sans-serif"><div class="kvlab-timeline-summary" style="font:12px monospace;margin:2px 0 6px 0">'
-        f'{html.escape(summary)}</div><div style="font-size:11px;color:#555">steps {first}-{last["step"]} →</div>'
+        f'{html.escape(summary)}</div><div style="font-size:11px;color:#555">steps {first}-{last.step} →</div>'
         f'{"".join(rows)}<div style="white-space:nowrap;margin-top:4px"><span style="display:inline-block;width:70px;'
         f'font:11px monospace;vertical-align:bottom">pool use</span>{"".join(bars)}</div>'
         f'<div style="font-size:11px;color:#555;margin-top:4px">{legend}</div></div>')
@@ -117,7 +117,7 @@ class Timeline(BlockMap):
         history = getattr(self.engine, "history", []) if self.engine is not None else []
         states = {}
         if history:
-            for rid in history[-1]["status"]:
+            for rid in history[-1].status:
                 state = step_state(history[-1], rid)
                 states[state] = states.get(state, 0) + 1
         return super().summary() + " " + " ".join(f"{s}={n}" for s, n in sorted(states.items()) if s)

@@ -21,9 +21,9 @@ def test_outputs_equal_generate_and_waste_is_counted(embedded):
         assert out.finished and out.outputs[0].finish_reason == "length" and out.prompt == p
     # Batch 1 (10, 60, 25, 40 new tokens) runs 60 passes and batch 2 (5, 33) 33: finished members keep computing.
     assert engine.num_forward_passes == 60 + 33
-    assert engine.tokens_wasted == (60 - 10) + (60 - 25) + (60 - 40) + (33 - 5)
+    assert engine.num_tokens_wasted == (60 - 10) + (60 - 25) + (60 - 40) + (33 - 5)
     prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
-    assert engine.tokens_computed == prompt_tokens + sum(MAX_TOKENS) - len(PROMPTS) + engine.tokens_wasted
+    assert engine.num_tokens_computed == prompt_tokens + sum(MAX_TOKENS) - len(PROMPTS) + engine.num_tokens_wasted
 
 
 def test_continuous_batching_runs_fewer_passes(embedded):

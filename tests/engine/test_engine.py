@@ -84,11 +84,11 @@ def test_greedy_equals_generate(embedded, references, name):
     if name.startswith("swap,"):
         assert engine.swap_space.blocks_swapped_out > 0 and engine.swap_space.blocks_swapped_in > 0
     for entry in engine.history:
-        assert entry["batched_tokens"] <= CONFIGS[name]["max_num_batched_tokens"], "the token budget holds every step"
-        running = sum(s == "running" for s in entry["status"].values())
+        assert entry.batched_tokens <= CONFIGS[name]["max_num_batched_tokens"], "the token budget holds every step"
+        running = sum(s == "running" for s in entry.status.values())
         assert running <= CONFIGS[name]["max_num_seqs"]
     if name == "chunked prefill":
-        assert any(len(e["prefill"]) and e["tokens"][e["prefill"][0]] < 7 or e["batched_tokens"] == 7 for e in engine.history)
+        assert any(len(e.prefill) and e.tokens[e.prefill[0]] < 7 or e.batched_tokens == 7 for e in engine.history)
         assert all(sum(n for *_, n in step) <= 7 for step in steps), "no SchedulerOutput holds more than the budget"
         assert engine.scheduler.num_preemptions == 0, "64 blocks are roomy: every prompt is computed once"
         lengths = {rid: len(req.prompt_token_ids) for rid, req in engine.requests.items()}
@@ -113,8 +113,8 @@ def test_one_forward_pass_per_step_mixes_prefill_and_decode(embedded):
     engine.step()
     assert engine.runner.num_forward_passes == before + 1, "the whole mixed batch is one forward pass"
     last = engine.history[-1]
-    assert last["tokens"]["a"] == 1 and last["tokens"]["b"] == len(tokenizer(PROMPTS[2])["input_ids"])
-    assert last["prefill"] == ["b"], "a decodes while b prefills, in the same pass"
+    assert last.tokens["a"] == 1 and last.tokens["b"] == len(tokenizer(PROMPTS[2])["input_ids"])
+    assert last.prefill == ("b",), "a decodes while b prefills, in the same pass"
 
 
 def test_long_prompt_is_prefilled_in_chunks(embedded, references):
@@ -128,7 +128,7 @@ def test_long_prompt_is_prefilled_in_chunks(embedded, references):
         outs += engine.step()
         if outs and first_token_step is None:
             first_token_step = engine.step_count
-    chunks = [e["tokens"]["long"] for e in engine.history if "long" in e["prefill"]]
+    chunks = [e.tokens["long"] for e in engine.history if "long" in e.prefill]
     P = len(tokenizer(PROMPTS[2])["input_ids"])
     assert sum(chunks) == P and max(chunks) == 8, f"prompt of {P} tokens in chunks of at most 8, got {chunks}"
     assert outs[-1].outputs[0].token_ids == references[2]

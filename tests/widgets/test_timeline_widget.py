@@ -26,16 +26,16 @@ def test_states_follow_the_scheduler(embedded, mode):
     while engine.has_unfinished_requests():
         engine.step()
         entry = engine.history[-1]
-        for rid in entry["status"]:
+        for rid in entry.status:
             state = step_state(entry, rid)
             seen.add(state)
-            if rid in entry["tokens"]:
+            if rid in entry.tokens:
                 assert state in ("prefill", "decode")
-        assert sum(entry["tokens"].values()) == entry["batched_tokens"] <= 24
+        assert sum(entry.tokens.values()) == entry.batched_tokens <= 24
     expected_out = "swapped" if mode == "swap" else "preempted"
     assert {"prefill", "decode", "waiting", expected_out, "finished"} <= seen, (
         f"a 10-block pool for four 30-token requests should show every state, saw {sorted(seen)}")
-    assert engine.history[0]["prefill"] and not any(engine.history[-1]["prefill"])
+    assert engine.history[0].prefill and not any(engine.history[-1].prefill)
 
 
 def test_render_rows_cells_and_occupancy(embedded):
@@ -49,7 +49,7 @@ def test_render_rows_cells_and_occupancy(embedded):
     assert len(cells) == 4 * 6, "one cell per request per step"
     assert cells[0]["data-state"] == "prefill", "r0 prefills in step 1"
     timeline = elements(markup, "kvlab-timeline")[0]
-    assert timeline["data-used"] == str(engine.history[-1]["used_blocks"])
+    assert timeline["data-used"] == str(engine.history[-1].used_blocks)
     assert render_timeline_html([]).count("no step yet") == 1
 
 
