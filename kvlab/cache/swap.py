@@ -10,10 +10,10 @@ int8 or fp8 values mean nothing without the scale of their (block, head).
 """
 
 import math
-from collections import deque
 
 import torch
 
+from kvlab.core.block_pool import BlockPool
 from kvlab.validation import check_int
 
 
@@ -29,13 +29,16 @@ class SwapSpace:
         self.blocks = [torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                        for t in device_tensors]
         self.num_blocks = num_cpu_blocks
-        self.free_block_ids = deque(range(num_cpu_blocks))
+        # Which CPU blocks are free is Chapter 4's BlockPool (without prefix caching), not a second free list:
+        # blocks come from the front of its queue and freed ones go to the back.
+        self.block_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False) if num_cpu_blocks else None
         self.blocks_swapped_out = 0
         self.blocks_swapped_in = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """CPU blocks a swap-out can still take."""
+        return self.block_pool.num_free_blocks if self.block_pool is not None else 0
 
     @property
     def block_bytes(self) -> int:
@@ -52,7 +55,7 @@ class SwapSpace:
         """Copy these device blocks to free CPU blocks; returns the CPU block ids, or None when they do not fit."""
         if len(gpu_block_ids) > self.num_free_blocks:
             return None
-        cpu_ids = [self.free_block_ids.popleft() for _ in gpu_block_ids]
+        cpu_ids = [b.block_id for b in self.block_pool.get_new_blocks(len(gpu_block_ids))] if gpu_block_ids else []
         if cpu_ids:
             self._copy(self.cache.storage.block_tensors(), gpu_block_ids, self.blocks, cpu_ids)
         self.blocks_swapped_out += len(cpu_ids)
@@ -67,4 +70,10 @@ class SwapSpace:
         self.blocks_swapped_in += len(cpu_block_ids)
 
     def free(self, cpu_block_ids: list[int]) -> None:
-        self.free_block_ids.extend(cpu_block_ids)
+        """Return CPU blocks to the pool; an unknown or already free block is a ValueError and frees nothing."""
+        cpu_block_ids = list(cpu_block_ids)
+        bad = [i for i in cpu_block_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks]
+        if bad:
+            raise ValueError(f"CPU block ids {bad} are outside the swap space of {self.num_blocks} blocks")
+        if cpu_block_ids:
+            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in cpu_block_ids])

@@ -98,3 +98,18 @@ def test_block_bytes_counts_k_and_v_of_every_layer():
 def test_bad_num_cpu_blocks(bad):
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         SwapSpace(filled_cache(), num_cpu_blocks=bad)
+
+
+def test_freeing_a_cpu_block_twice_or_an_unknown_one_is_an_error_that_frees_nothing():
+    """The swap space's free list is a BlockPool: it catches the double free the old deque silently accepted."""
+    swap = SwapSpace(filled_cache(), num_cpu_blocks=4)
+    ids = swap.swap_out([0, 1])
+    swap.free(ids[:1])
+    before = swap.num_free_blocks
+    with pytest.raises(ValueError, match="double free"):
+        swap.free(ids)                       # ids[0] is already free: neither block is freed
+    assert swap.num_free_blocks == before
+    with pytest.raises(ValueError, match="outside the swap space of 4 blocks"):
+        swap.free([7])
+    swap.free(ids[1:])
+    assert swap.num_free_blocks == 4
