@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
-from kvlab.core.block_pool import BlockPool  # noqa: E402
 from kvlab.analysis.chat_prompts import load_shared_prefix_trace  # noqa: E402
+from kvlab.core.block_pool import BlockPool  # noqa: E402
 from kvlab.core.kv_cache_manager import KVCacheManager  # noqa: E402
 
 POOL_SIZES = (1_000, 10_000, 100_000, 1_000_000)

@@ -65,7 +65,8 @@ def bytes_moved(batch, context, num_heads, num_kv_heads, head_dim, element_size)
 
 
 def make_inputs(batch, context, block_size, num_heads, num_kv_heads, head_dim, dtype, device, k=None, v=None, seed=0):
-    """Contiguous K, V [batch, kv_heads, context, head_dim] (random unless given) and the same values in a shuffled pool.
+    """Contiguous K, V [batch, kv_heads, context, head_dim] (random unless given) and the same values in a
+    shuffled pool.
 
     Returns q [batch, heads, head_dim], k, v, k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim],
     block_tables int32 [batch, context // block_size] and seq_lens int32 [batch].
@@ -105,7 +106,8 @@ def check_small(block_size, num_heads, num_kv_heads, head_dim, dtype, device) ->
 
     from kvlab.kernels import paged_attention_decode, paged_attention_decode_reference, paged_attention_decode_split_kv
 
-    q, _, _, k_cache, v_cache, tables, _ = make_inputs(3, 1000, block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+    q, _, _, k_cache, v_cache, tables, _ = make_inputs(3, 1000, block_size, num_heads, num_kv_heads, head_dim,
+                                                       dtype, device)
     lens = torch.tensor([1, 333, 1000], dtype=torch.int32, device=device)
     spec = paged_attention_decode_reference(q, k_cache, v_cache, tables, lens).float()
     worst = 0.0
@@ -145,7 +147,8 @@ def time_config(batch, context, block_size, args, dtype, device, contiguous, sdp
     out_one, out_split = torch.empty_like(q), torch.empty_like(q)
     inputs = (q, k_cache, v_cache, tables, lens)
     one_pass_ms = do_bench(lambda: launch_paged_decode(shape, *inputs, out_one))
-    split_ms = do_bench(lambda: launch_paged_decode_split_kv(shape, *inputs, out_split, num_splits, workspace=workspace))
+    split_ms = do_bench(lambda: launch_paged_decode_split_kv(shape, *inputs, out_split, num_splits,
+                                                             workspace=workspace))
     best, best_ms = ("one-pass", one_pass_ms) if one_pass_ms <= split_ms else ("split-KV", split_ms)
     reference = sdpa_decode(q, k, v, shape.scale).float()
     max_diff = max((out_one.float() - reference).abs().max().item(), (out_split.float() - reference).abs().max().item())
@@ -188,7 +191,8 @@ def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
     with open(written[0], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in r.items()} for r in rows)
+        writer.writerows({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in r.items()}
+                         for r in rows)
 
     block_sizes = sorted({r["block_size"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
@@ -218,7 +222,8 @@ def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     longest = max(r["context"] for r in rows)
     for batch in batches:
-        pts = sorted((r["block_size"], r["sdpa_over_paged"]) for r in rows if r["batch"] == batch and r["context"] == longest)
+        pts = sorted((r["block_size"], r["sdpa_over_paged"]) for r in rows
+                     if r["batch"] == batch and r["context"] == longest)
         if pts:
             ax.plot(*zip(*pts), "o-", color=colors[batch], label=f"batch {batch}")
     ax.axhline(1.0, color="gray", lw=1, ls=":")
@@ -236,7 +241,8 @@ def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small grid: batch 1/16/64, context 512/4096, block 16/64")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid: batch 1/16/64, context 512/4096, block 16/64")
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -252,7 +258,8 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("skipped: no CUDA GPU here. This benchmark times compiled Triton kernels; on a CPU the kernels run "
-              "in Triton's interpreter, which says nothing about speed (python -m pytest tests/kernels/test_paged_attention_kernel.py "
+              "in Triton's interpreter, which says nothing about speed "
+              "(python -m pytest tests/kernels/test_paged_attention_kernel.py "
               "checks them there, and python -m kvlab.kernels.aot compiles them for sm_75/80/90).")
         return 0
     try:
@@ -277,7 +284,8 @@ def main(argv=None) -> int:
     args.peak = args.peak_gbps or peak_bandwidth_gbps(name)
     grid = QUICK_GRID if args.quick else FULL_GRID
     title = (f"{name}, {args.dtype}, {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim}")
-    print(title + (f", peak {args.peak:.0f} GB/s" if args.peak else ", peak unknown (pass --peak-gbps): bandwidth only"))
+    print(title + (f", peak {args.peak:.0f} GB/s" if args.peak
+                   else ", peak unknown (pass --peak-gbps): bandwidth only"))
 
     for block_size in tqdm(grid["block_size"], desc="correctness vs reference", unit="block size"):
         check_small(block_size, args.num_heads, args.num_kv_heads, args.head_dim, dtype, device)
@@ -301,7 +309,8 @@ def main(argv=None) -> int:
             row = time_config(batch, context, block_size, args, dtype, device, contiguous, sdpa_us)
             sdpa_us = row["sdpa_us"]
             if row["max_diff"] > (2e-2 if dtype == torch.bfloat16 else 5e-3):
-                tqdm.write(f"warning: batch {batch} context {context} block {block_size}: paged and SDPA differ by {row['max_diff']:.3g}")
+                tqdm.write(f"warning: batch {batch} context {context} block {block_size}: "
+                           f"paged and SDPA differ by {row['max_diff']:.3g}")
             rows.append(row)
             progress.update(1)
         del contiguous

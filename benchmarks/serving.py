@@ -3,8 +3,9 @@
 One workload, four systems, one run, figures side by side. The workload is the first REQUESTS
 requests of the shipped chat trace (assets/traces/chat.csv, ShareGPT-like lengths), every length
 multiplied by one factor so that 95 % of the requests fit the embedded model's 256-token context (the
-mix of short and long requests is kept; the longest few are clipped), prompts cut from the shipped text, greedy decoding to exactly each request's output length (EOS ignored), all
-requests submitted at once (offline throughput, as vLLM's throughput benchmark does). Systems:
+mix of short and long requests is kept; the longest few are clipped), prompts cut from the shipped text,
+greedy decoding to exactly each request's output length (EOS ignored), all requests submitted at once
+(offline throughput, as vLLM's throughput benchmark does). Systems:
 
   kvlab continuous   kvlab.LLM: continuous batching, chunked prefill, paged cache (this chapter)
   kvlab static       kvlab.baselines.static_batching.StaticBatchingEngine: batches of BATCH that wait for
@@ -19,11 +20,11 @@ requests submitted at once (offline throughput, as vLLM's throughput benchmark d
 Every system gets the same KV memory: what a padded batch of BATCH full-context sequences reserves
 (BATCH x 256 tokens, i.e. BATCH x 16 blocks of 16). The static systems can therefore run BATCH
 sequences at a time; the continuous ones run as many as the pool holds, up to MAX_SEQS, and preempt
-when it runs out. That is the paper's argument: paging lets the same memory serve a larger batch. Each runs in its own process, so peak memory (the
-process's peak resident set) is its own; a warm-up of two requests runs first. Reported: generated
-tokens per second (requested output tokens / wall time), the ratios, the process's CPU time (a
-check when other work shares the machine: wall time then inflates, CPU time much less), peak
-memory, and how many requests' tokens equal kvlab continuous's.
+when it runs out. That is the paper's argument: paging lets the same memory serve a larger batch. Each
+runs in its own process, so peak memory (the process's peak resident set) is its own; a warm-up of two
+requests runs first. Reported: generated tokens per second (requested output tokens / wall time), the
+ratios, the process's CPU time (a check when other work shares the machine: wall time then inflates, CPU
+time much less), peak memory, and how many requests' tokens equal kvlab continuous's.
 
 Run from the repository root (about 2-4 minutes on a 2-core CPU)::
 
@@ -53,8 +54,8 @@ def peak_rss_mib() -> float:
 
 
 def workload(count: int, tokenizer):
-    from kvlab.paths import ASSETS_DIR
     from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
+    from kvlab.paths import ASSETS_DIR
 
     fitted = scale_to_context(load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count], MAX_TOKENS)
     text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text()
@@ -156,8 +157,8 @@ def child(system: str, count: int, batch: int, pool_blocks: int, max_seqs: int) 
     outputs, extra = run(prompts, lengths, True)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert [len(o) for o in outputs] == lengths, f"{system} returned the wrong number of tokens"
-    return {"system": system, "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": sum(lengths), "peak_rss_mib": peak_rss_mib(),
-            "rss_after_load_mib": base, "outputs": outputs, "extra": extra,
+    return {"system": system, "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": sum(lengths),
+            "peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": base, "outputs": outputs, "extra": extra,
             "prompt_tokens": sum(len(p) for p in prompts)}
 
 
@@ -166,7 +167,8 @@ def main():
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="sequences per static batch; the KV memory of every system is batch x 256 tokens")
-    parser.add_argument("--max-seqs", type=int, default=MAX_SEQS, help="most sequences a continuous system runs at once")
+    parser.add_argument("--max-seqs", type=int, default=MAX_SEQS,
+                        help="most sequences a continuous system runs at once")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args()
@@ -182,7 +184,7 @@ def main():
         proc = subprocess.run([sys.executable, __file__, "--child", system, "--requests", str(args.requests),
                                "--batch", str(args.batch), "--max-seqs", str(args.max_seqs)],
                               stdout=subprocess.PIPE, text=True, env=env)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("KVLAB-RESULT ")), None)
+        line = next((out for out in proc.stdout.splitlines() if out.startswith("KVLAB-RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(f"{system} failed (exit {proc.returncode})")
             continue
@@ -191,13 +193,13 @@ def main():
     first = next(iter(results.values()), None)
     if first is None:
         sys.exit("no system finished")
-    print(f"\n{args.requests} requests of the shipped chat trace scaled to the model's context (<= {MAX_TOKENS} tokens): "
-          f"{first['prompt_tokens']} prompt tokens, {first['tokens']} output tokens; KV memory {pool_blocks} blocks of "
-          f"{BLOCK_SIZE} tokens for every system: static batches of {args.batch}, continuous up to {args.max_seqs} "
-          f"sequences; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}\n")
+    print(f"\n{args.requests} requests of the shipped chat trace scaled to the model's context "
+          f"(<= {MAX_TOKENS} tokens): {first['prompt_tokens']} prompt tokens, {first['tokens']} output tokens; "
+          f"KV memory {pool_blocks} blocks of {BLOCK_SIZE} tokens for every system: static batches of {args.batch}, "
+          f"continuous up to {args.max_seqs} sequences; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}\n")
     ref = results.get("kvlab continuous")
-    header = f"{'system':<18} {'seconds':>8} {'CPU s':>6} {'tokens/s':>9} {'vs hf padded':>13} {'vs hf continuous':>17} " \
-             f"{'peak MiB':>9} {'same tokens as kvlab':>21}  notes"
+    header = f"{'system':<18} {'seconds':>8} {'CPU s':>6} {'tokens/s':>9} {'vs hf padded':>13} " \
+             f"{'vs hf continuous':>17} {'peak MiB':>9} {'same tokens as kvlab':>21}  notes"
     print(header)
     print("-" * len(header))
     for system, r in results.items():
@@ -206,10 +208,11 @@ def main():
         for other in ("hf padded", "hf continuous"):
             o = results.get(other)
             ratios.append(f"{rate / (o['tokens'] / o['seconds']):.2f}x" if o else "-")
-        same = "-" if ref is None else f"{sum(a == b for a, b in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
+        same = "-" if ref is None else \
+            f"{sum(a == b for a, b in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
         notes = ", ".join(f"{k} {v}" for k, v in r["extra"].items())
-        print(f"{system:<18} {r['seconds']:>8.1f} {r['cpu_seconds']:>6.1f} {rate:>9.0f} {ratios[0]:>13} {ratios[1]:>17} "
-              f"{r['peak_rss_mib']:>9.0f} {same:>21}  {notes}")
+        print(f"{system:<18} {r['seconds']:>8.1f} {r['cpu_seconds']:>6.1f} {rate:>9.0f} {ratios[0]:>13} "
+              f"{ratios[1]:>17} {r['peak_rss_mib']:>9.0f} {same:>21}  {notes}")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 from tqdm import tqdm  # noqa: E402
 
 from kvlab import load_model  # noqa: E402
-from kvlab.decoding.beam_search import beam_search  # noqa: E402
+from kvlab.analysis.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
 from kvlab.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from kvlab.decoding.beam_search import beam_search  # noqa: E402
 from kvlab.decoding.parallel_sampling import sample_n  # noqa: E402
 from kvlab.paths import ASSETS_DIR  # noqa: E402
-from kvlab.analysis.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 240  # prompt + output of a scaled request: fits the embedded model's 256-token context
@@ -92,8 +92,9 @@ def main():
     rows = scaled_requests(args.requests, tokenizer)
     prompt_share = sum(len(p) for p, *_ in rows) / sum(len(p) + o for p, o, *_ in rows)
     orig_share = sum(op for *_, op, _ in rows) / sum(op + oo for *_, op, oo in rows)
-    print(f"{len(rows)} requests of {ASSETS_DIR.name}/traces/chat.csv, block size {BLOCK_SIZE}; scaled to <= {MAX_TOKENS}"
-          f" tokens each; prompts are {prompt_share:.0%} of all tokens (unscaled trace: {orig_share:.0%})\n")
+    print(f"{len(rows)} requests of {ASSETS_DIR.name}/traces/chat.csv, block size {BLOCK_SIZE}; "
+          f"scaled to <= {MAX_TOKENS} tokens each; prompts are {prompt_share:.0%} of all tokens "
+          f"(unscaled trace: {orig_share:.0%})\n")
 
     table = {}
     for n in (2, 4, 6):
@@ -118,7 +119,8 @@ def main():
         table[("beam", k)] = (sums, per)
 
     print(f"(a) parallel sampling (temperature 1, seed 0)   paper: {PAPER['parallel sampling']}")
-    print("   n | blocks shared  own copies  saved (per request) | CoW copies | V1 prefix caching: blocks  saved  recomputed tokens")
+    print("   n | blocks shared  own copies  saved (per request) | CoW copies "
+          "| V1 prefix caching: blocks  saved  recomputed tokens")
     for n in (2, 4, 6):
         (shared, own, copies, v1, recomputed), per = table[("sampling", n)]
         print(f" {n:>3} | {shared:>13} {own:>11} {saved(shared, own):>6.1%} ({min(per):.0%}-{max(per):.0%}) |"
@@ -127,7 +129,8 @@ def main():
     print("   k | peak blocks shared  own copies  saved (per request) | CoW copies")
     for k in (2, 4, 8):
         (shared, own, copies), per = table[("beam", k)]
-        print(f" {k:>3} | {shared:>18} {own:>11} {saved(shared, own):>6.1%} ({min(per):.0%}-{max(per):.0%}) | {copies:>10}")
+        print(f" {k:>3} | {shared:>18} {own:>11} {saved(shared, own):>6.1%} ({min(per):.0%}-{max(per):.0%}) "
+              f"| {copies:>10}")
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
 
 

@@ -25,8 +25,8 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
   baselines/  what kvlab is measured against: transformers_generate (the oracles), static_batching
   widgets/    the block map and the timeline; they draw plain data and nothing imports them but notebooks
 
-At the top: paths, validation (the argument checks every layer shares), quantization (the 8-bit KV formats in plain torch; Ch 8), checks (the notebooks'
-checks).
+At the top: paths, validation (the argument checks every layer shares), quantization (the 8-bit KV
+formats in plain torch; Ch 8), checks (the notebooks' checks).
 """
 
 __version__ = "0.1.0"

@@ -43,7 +43,8 @@ def check_equal(name: str, yours, expected, hint: str | None = None) -> None:
     if type(yours) is not type(expected) and not (
         isinstance(yours, (int, float)) and isinstance(expected, (int, float)) and not isinstance(yours, bool)
     ):
-        _fail(name, yours, expected, hint, f"You returned a {type(yours).__name__}, expected a {type(expected).__name__}.")
+        _fail(name, yours, expected, hint,
+              f"You returned a {type(yours).__name__}, expected a {type(expected).__name__}.")
     if yours != expected:
         detail = ""
         if isinstance(yours, (list, tuple)) and isinstance(expected, (list, tuple)):
@@ -64,7 +65,8 @@ def check_close(name: str, yours, expected, atol: float = 1e-5, rtol: float = 1e
         worst = diff.nan_to_num(nan=float("inf"))  # a NaN counts as the largest possible difference
         index = tuple(int(i) for i in torch.nonzero(worst == worst.max())[0]) if diff.numel() else ()
         largest = worst.max().item() if diff.numel() else 0.0
-        _fail(name, yours, expected, hint, f"Largest difference {largest:.3g} at index {index} (tolerance {atol} + {rtol}·|expected|).")
+        _fail(name, yours, expected, hint,
+              f"Largest difference {largest:.3g} at index {index} (tolerance {atol} + {rtol}·|expected|).")
     _passed(name)
 
 
@@ -79,7 +81,8 @@ def _referenced_globals(code: types.CodeType) -> set[str]:
 
 def _functions_of(obj) -> list:
     if isinstance(obj, type):
-        return [v for k, v in vars(obj).items() if isinstance(v, (types.FunctionType, staticmethod, classmethod, property))]
+        return [v for k, v in vars(obj).items()
+                if isinstance(v, (types.FunctionType, staticmethod, classmethod, property))]
     return [obj]
 
 
@@ -98,7 +101,8 @@ def own_implementation(obj, *references) -> None:
     if isinstance(obj, type):
         for base in obj.__mro__[1:]:
             if any(base is ref for ref in references):
-                raise CheckFailed(f"{name} inherits from kvlab's reference {base.__name__}; write it without the reference.")
+                raise CheckFailed(f"{name} inherits from kvlab's reference {base.__name__}; "
+                                  "write it without the reference.")
     reference_names = {ref.__name__ for ref in references}
     for fn in _functions_of(obj):
         fn = getattr(fn, "__func__", None) or getattr(fn, "fget", None) or fn

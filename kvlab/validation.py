@@ -8,14 +8,16 @@ import numbers
 
 
 class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a TypeError by Python's convention, and a ValueError like every other bad argument.
+    """An argument of the wrong type: a TypeError by Python's convention, and a ValueError like every other
+    bad argument.
 
     Both, so callers that catch either keep working (numpy's AxisError is a ValueError and an IndexError likewise).
     """
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
-    """value as an int if it is an integer >= minimum: ArgumentTypeError for a non-integer, ValueError for one too small.
+    """value as an int if it is an integer >= minimum: ArgumentTypeError for a non-integer, ValueError for one
+    too small.
 
     bool is an int to Python, but True as a count is always a bug, so it is refused.
     """

@@ -14,7 +14,7 @@ import torch
 # while another process holds a core make a decode step 30-40x slower on a 2-core machine.
 torch.set_num_threads(1)
 
-from kvlab.paths import DEFAULT_MODEL_DIR
+from kvlab.paths import DEFAULT_MODEL_DIR  # noqa: E402  (kvlab comes after the setup above: offline hub, one thread)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -60,7 +60,8 @@ def tiny_model_dirs(tmp_path_factory):
 
 def load_release_tool():
     """tools/release.py as a module (it is a script, not part of the kvlab package)."""
-    spec = importlib.util.spec_from_file_location("kvlab_release_tool", Path(__file__).resolve().parents[1] / "tools" / "release.py")
+    spec = importlib.util.spec_from_file_location("kvlab_release_tool",
+                                                  Path(__file__).resolve().parents[1] / "tools" / "release.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

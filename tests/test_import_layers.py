@@ -82,7 +82,8 @@ def imports_of(path: Path, source: str | None = None) -> list[tuple[int, str]]:
             else:
                 target = node.module
             # `from kvlab.core import block_pool` imports kvlab.core.block_pool.
-            found += [(node.lineno, f"{target}.{alias.name}") if (PACKAGE.parent / Path(*f"{target}.{alias.name}".split("."))).with_suffix(".py").exists()
+            found += [(node.lineno, f"{target}.{alias.name}")
+                      if (PACKAGE.parent / Path(*f"{target}.{alias.name}".split("."))).with_suffix(".py").exists()
                       or (PACKAGE.parent / Path(*f"{target}.{alias.name}".split("."))).is_dir()
                       else (node.lineno, target) for alias in node.names]
     return found
@@ -118,7 +119,8 @@ def test_imports_point_down_the_layers(path):
                               f"{sorted(ALLOWED_KVLAB[layer]) or 'nothing else in kvlab'})")
         elif top in FORBIDDEN_THIRD_PARTY.get(layer, ()):
             heavy.append(f"  line {line}: {imported} ({layer} must not depend on {top})")
-    assert not upward and not heavy, f"{path.relative_to(PACKAGE.parent)} breaks the layering:\n" + "\n".join(upward + heavy)
+    assert not upward and not heavy, \
+        f"{path.relative_to(PACKAGE.parent)} breaks the layering:\n" + "\n".join(upward + heavy)
 
 
 def test_core_imports_only_the_standard_library():

@@ -55,8 +55,8 @@ import numpy as np
 
 from kvlab.analysis.contiguous import POLICIES, ContiguousArena, reservation_slots
 from kvlab.analysis.traces import Request
-from kvlab.validation import check_block_size, check_positive_int
 from kvlab.core.paging import num_blocks_needed
+from kvlab.validation import check_block_size, check_positive_int
 
 ALLOCATORS: tuple[str, ...] = (*POLICIES, "paged")
 CATEGORIES: tuple[str, ...] = ("tokens", "reserved", "internal", "external", "free")

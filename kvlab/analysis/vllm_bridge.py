@@ -19,8 +19,8 @@ import html
 from dataclasses import dataclass
 
 from kvlab.analysis.kv_size import DTYPE_BYTES, config_dict, dtype_bytes, kv_cache_bytes_per_token
-from kvlab.validation import check_number
 from kvlab.core.paging import num_blocks_needed
+from kvlab.validation import check_number
 
 GiB = 1024 ** 3
 
@@ -43,7 +43,8 @@ KNOBS = [
          "Tokens per KV block. Larger blocks mean fewer block-table entries and longer contiguous reads, "
          "but more unused slots in each sequence's last block. vLLM's CUDA kernels accepted 8, 16 and 32."),
     Knob("num_blocks or kv_cache_memory", "gpu_memory_utilization", "0.9 (0.92 in 0.33)",
-         "How big the block pool is. kvlab is told how many blocks to allocate, or a byte budget for them; vLLM is told what fraction of the GPU it may use in all, "
+         "How big the block pool is. kvlab is told how many blocks to allocate, or a byte budget for them; "
+         "vLLM is told what fraction of the GPU it may use in all, "
          "and the part not taken by weights and the profiled activation peak becomes blocks "
          "(num_gpu_blocks_override sets the count directly)."),
     Knob("enable_prefix_caching", "enable_prefix_caching", "on in V1, off in V0",
@@ -77,7 +78,8 @@ def knobs_table(fmt: str = "markdown") -> str:
             return text.replace("|", "\\|")
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         # The first two columns are names: code font.
-        lines += ["| " + " | ".join([f"`{cell(r[0])}`", f"`{cell(r[1])}`", cell(r[2]), cell(r[3])]) + " |" for r in rows]
+        lines += ["| " + " | ".join([f"`{cell(r[0])}`", f"`{cell(r[1])}`", cell(r[2]), cell(r[3])]) + " |"
+                  for r in rows]
         return "\n".join(lines)
     if fmt == "html":
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
@@ -158,7 +160,8 @@ def _kv_dtype_name(config, kv_cache_dtype, dtype) -> str:
         return name
     raise ValueError(
         f"unsupported kv_cache_dtype {kv_cache_dtype!r} for vLLM; use 'auto', {', '.join(map(repr, VLLM_FP8_NAMES))} "
-        f"or a float dtype such as 'float16' (vLLM has no int8 KV cache; kvlab's int8 is in kvlab.cache.quantized_cache)"
+        f"or a float dtype such as 'float16' "
+        f"(vLLM has no int8 KV cache; kvlab's int8 is in kvlab.cache.quantized_cache)"
     )
 
 
@@ -196,9 +199,11 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
             or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(
-            f"gpu_memory_utilization is the fraction of GPU memory vLLM may use, in (0, 1]; got {gpu_memory_utilization!r}"
+            f"gpu_memory_utilization is the fraction of GPU memory vLLM may use, in (0, 1]; "
+            f"got {gpu_memory_utilization!r}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
+            or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two (vLLM's default is 16), got {block_size!r}")
     if weights_bytes is None:
         weights_bytes = estimate_weights_bytes(cfg, dtype)
@@ -226,14 +231,17 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     )
 
 
-def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.9, max_model_len=None, **kwargs) -> KVBlockBudget:
-    """vllm_num_kv_blocks, raising ValueError where vLLM refuses to start (no room for blocks, or not one full-length sequence)."""
+def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.9, max_model_len=None,
+                       **kwargs) -> KVBlockBudget:
+    """vllm_num_kv_blocks, raising ValueError where vLLM refuses to start (no room for blocks, or not one
+    full-length sequence)."""
     b = vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization, max_model_len=max_model_len, **kwargs)
     if b.available_bytes <= 0:
         raise ValueError(
             f"No available memory for the KV cache blocks: of the {b.usable_bytes / GiB:.2f} GiB vLLM may use "
             f"(gpu_memory_utilization {b.gpu_memory_utilization} x {b.gpu_memory_bytes / GiB:.2f} GiB), the weights "
-            f"({b.weights_bytes / GiB:.2f} GiB), the profiled activation peak ({b.activation_peak_bytes / GiB:.2f} GiB) "
+            f"({b.weights_bytes / GiB:.2f} GiB), the profiled activation peak "
+            f"({b.activation_peak_bytes / GiB:.2f} GiB) "
             f"and other memory ({b.other_bytes / GiB:.2f} GiB) leave {b.available_bytes / GiB:.2f} GiB. "
             f"Try increasing gpu_memory_utilization, or make room: a smaller or quantized model, tensor "
             f"parallelism over more GPUs, or a smaller max_num_batched_tokens (a lower activation peak)."

@@ -10,10 +10,10 @@ in one batch), that the continuous engine runs, so the comparison measures sched
 
 import torch
 
-from kvlab.engine.llm_engine import LLMEngine
 from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.core.paging import num_blocks_needed
+from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
@@ -39,7 +39,8 @@ class StaticBatchingEngine:
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order."""
         prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) \
+            else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if any(p.n != 1 for p in params):
@@ -51,7 +52,8 @@ class StaticBatchingEngine:
             if not ids:
                 raise ValueError(f"prompt {i} is empty: give at least one token")
             if len(ids) + p.max_tokens > engine.max_model_len:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens plus max_tokens {p.max_tokens} exceed max_model_len {engine.max_model_len}")
+                raise ValueError(f"prompt {i}: {len(ids)} tokens plus max_tokens {p.max_tokens} "
+                                 f"exceed max_model_len {engine.max_model_len}")
             requests.append(Request(str(i), ids, p, i, engine.eos_token_id, text))
         for start in range(0, len(requests), self.batch_size):
             self._run_batch(requests[start:start + self.batch_size])
@@ -64,7 +66,8 @@ class StaticBatchingEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        """The run's counters so far, under the continuous engine's names (it never preempts: a batch holds its blocks)."""
+        """The run's counters so far, under the continuous engine's names (it never preempts: a batch holds its
+        blocks)."""
         return EngineStats(num_steps=self.num_forward_passes, num_forward_passes=self.num_forward_passes,
                            num_tokens_computed=self.num_tokens_computed, num_tokens_wasted=self.num_tokens_wasted,
                            num_preemptions=0, peak_used_blocks=self.peak_used_blocks)

@@ -72,7 +72,8 @@ class SwapSpace:
     def free(self, cpu_block_ids: list[int]) -> None:
         """Return CPU blocks to the pool; an unknown or already free block is a ValueError and frees nothing."""
         cpu_block_ids = list(cpu_block_ids)
-        bad = [i for i in cpu_block_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks]
+        bad = [i for i in cpu_block_ids
+               if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks]
         if bad:
             raise ValueError(f"CPU block ids {bad} are outside the swap space of {self.num_blocks} blocks")
         if cpu_block_ids:

@@ -144,11 +144,13 @@ class BlockPool:
     def _check_owned(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             block_id = getattr(block, "block_id", None)
-            if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks or self.blocks[block_id] is not block:
+            if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks \
+                    or self.blocks[block_id] is not block:
                 raise ValueError(f"{block!r} does not belong to this pool of {self.num_blocks} blocks")
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; blocks nobody holds go to the back of the free queue, in the given order."""
+        """Drop one reference to each block; blocks nobody holds go to the back of the free queue, in the given
+        order."""
         blocks = list(blocks)
         self._check_owned(blocks)
         # A block may appear twice in one call: it needs that many references left.

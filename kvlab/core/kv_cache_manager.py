@@ -140,7 +140,8 @@ class KVCacheManager(PooledBlockManager):
             entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
                      "logical": None, "ref_count": block.ref_cnt, "cached": cached}
             if block.block_hash is not None:
-                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
+                digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) \
+                    else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
                 entry["note"] = f"hash {digest[:4]}…"
             if block.block_id in hit_blocks:
                 entry["hit"] = True

@@ -24,14 +24,13 @@ last block (copy-on-write). The copies run before the forward pass that writes t
 
 import torch
 
-from kvlab.cache.paged_cache import copy_blocks
-from kvlab.core.fork import CowBlockManager
-from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache, copy_blocks
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
-from kvlab.model.config import as_token_ids, check_fits_context, eos_token_ids
 from kvlab.core.block_views import counters_for
-from kvlab.validation import check_positive_int
+from kvlab.core.fork import CowBlockManager
 from kvlab.core.paging import num_blocks_needed
+from kvlab.model.config import as_token_ids, check_fits_context, eos_token_ids
+from kvlab.validation import check_positive_int
 
 NEG = -1.0e9  # transformers' "impossible" score
 
@@ -91,7 +90,8 @@ class BeamSearch:
 
     @torch.inference_mode()
     def step(self) -> list:
-        """One step: the prefill first, then select, fork, free, copy and decode; returns [] (or the hypotheses at the end)."""
+        """One step: the prefill first, then select, fork, free, copy and decode; returns [] (or the hypotheses at
+        the end)."""
         if self.done:
             raise RuntimeError("the beam search has finished; read results()")
         self.step_count += 1

@@ -2,7 +2,6 @@
 
 import time
 
-
 from kvlab.cache.naive_cache import NaiveKVCache, RecomputeCache
 from kvlab.model.attention_hook import forward
 from kvlab.model.config import as_token_ids, check_fits_context

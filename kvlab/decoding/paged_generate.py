@@ -13,11 +13,10 @@ so Chapter 4's PrefixCachingGenerator is this loop with a KVCacheManager plugged
 
 from dataclasses import dataclass, field
 
-
-from kvlab.model.config import check_fits_context
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.core.paging import BaseBlockManager, BlockManager
+from kvlab.model.config import check_fits_context
 
 
 @dataclass(slots=True)

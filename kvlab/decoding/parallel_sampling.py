@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.paged_cache import copy_blocks
-from kvlab.core.fork import CowBlockManager
-from kvlab.model.config import as_token_ids, check_fits_context
-from kvlab.cache.paged_cache import PagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache, copy_blocks
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
-from kvlab.validation import check_positive_int
+from kvlab.core.fork import CowBlockManager
 from kvlab.core.paging import num_blocks_needed
+from kvlab.model.config import as_token_ids, check_fits_context
+from kvlab.validation import check_positive_int
 
 
 @dataclass

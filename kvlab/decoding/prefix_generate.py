@@ -12,9 +12,9 @@ before the second request reads it.
 """
 
 
+from kvlab.core.block_views import counters_for
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.decoding.paged_generate import PagedGenerator
-from kvlab.core.block_views import counters_for
 
 
 class PrefixCachingGenerator(PagedGenerator):

@@ -22,21 +22,21 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.engine.model_runner import ModelRunner
 from kvlab.cache.batched_attention import BatchedPagedKVCache
-from kvlab.cache.kv_storage import block_bytes as kv_block_bytes, resolve_kv_cache_dtype
+from kvlab.cache.kv_storage import block_bytes as kv_block_bytes
+from kvlab.cache.kv_storage import resolve_kv_cache_dtype
+from kvlab.cache.swap import SwapSpace
+from kvlab.core.block_views import counters_for
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.paging import num_blocks_needed
+from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.request import FINISH_REASONS, CompletionOutput, Request, RequestOutput, RequestStatus
-from kvlab.model.config import context_length, eos_token_ids
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.stats import EngineStats, StepRecord
-from kvlab.cache.swap import SwapSpace
-from kvlab.core.block_views import counters_for
+from kvlab.model.config import context_length, eos_token_ids
 from kvlab.validation import check_block_size, check_positive_int
-
 
 DEFAULT_POOL_BYTES = 512 * 2**20  # the pool's size when neither num_blocks nor kv_cache_memory is given
 
@@ -53,9 +53,11 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.model, self.tokenizer = model, tokenizer
         self.block_size = check_block_size(block_size)
-        self.max_model_len = context_length(model) if max_model_len is None else check_positive_int("max_model_len", max_model_len)
+        self.max_model_len = context_length(model) if max_model_len is None \
+            else check_positive_int("max_model_len", max_model_len)
         if self.max_model_len > context_length(model):
-            raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's context of {context_length(model)} tokens")
+            raise ValueError(f"max_model_len {self.max_model_len} is beyond the model's context of "
+                             f"{context_length(model)} tokens")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         # One block's bytes in the chosen storage, scales included: the same formula the cache's nbytes obeys.
@@ -64,7 +66,8 @@ class LLMEngine:
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory (a byte budget for the pool), not both")
         if kv_cache_memory is not None:
-            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) or kv_cache_memory < block_bytes:
+            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
+                    or kv_cache_memory < block_bytes:
                 raise ValueError(f"kv_cache_memory must be an integer number of bytes, at least one block "
                                  f"({block_bytes} bytes), got {kv_cache_memory!r}")
             num_blocks = kv_cache_memory // block_bytes
@@ -85,7 +88,8 @@ class LLMEngine:
         if preemption_mode == "swap":
             swap_space = SwapSpace(self.cache, num_blocks if num_cpu_blocks is None else num_cpu_blocks)
         self.swap_space = swap_space
-        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space)
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, preemption_mode,
+                                   swap_space)
         self.runner = ModelRunner(model, self.cache)
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
         self.requests: dict[str, Request] = {}       # every request ever added, children of n > 1 included
@@ -150,7 +154,8 @@ class LLMEngine:
         """Stop a request now and free everything it holds (blocks, CPU blocks, its queue place)."""
         request_id = str(request_id)
         if request_id not in self.parents:
-            raise ValueError(f"no request {request_id!r} to abort (known: {', '.join(list(self.parents)[-5:]) or 'none'})")
+            raise ValueError(f"no request {request_id!r} to abort "
+                             f"(known: {', '.join(list(self.parents)[-5:]) or 'none'})")
         reqs = [self.requests[c] for c in self.parents[request_id]]
         if all(r.status.finished for r in reqs):
             raise ValueError(f"request {request_id!r} has already finished")

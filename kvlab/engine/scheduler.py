@@ -24,10 +24,9 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from kvlab.cache.swap import SwapSpace
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.request import Request, RequestStatus
-from kvlab.cache.swap import SwapSpace
-
 
 # ----- the rules, as pure functions -----
 

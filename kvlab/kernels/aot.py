@@ -137,7 +137,8 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAU
 def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None,
                     kv_dtypes=None, kv_q_dtype: str = "fp16") -> list[CompiledKernel]:
     """Compile the decode, split-KV and reduce kernels for GPUTarget("cuda", sm, 32) in each dtype, then the
-    decode and split-KV kernels on each quantized pool kind (kv_dtypes, default kv_dtypes_for(sm)) with q in kv_q_dtype."""
+    decode and split-KV kernels on each quantized pool kind (kv_dtypes, default kv_dtypes_for(sm)) with q in
+    kv_q_dtype."""
     variants = [(dtype, None) for dtype in (dtypes or dtypes_for(sm))]
     variants += [(kv_q_dtype, kv_dtype) for kv_dtype in (kv_dtypes_for(sm) if kv_dtypes is None else kv_dtypes)]
     results = []

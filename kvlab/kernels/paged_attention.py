@@ -114,7 +114,8 @@ def _paged_decode_kernel(
     q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
     k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
     v_cache_ptr,         # the value pool: same shape and strides as the key pool
-    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head); None unless QUANTIZED
+    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head);
+                         # None unless QUANTIZED
     v_scale_ptr,         # the same for V
     block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
     seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool, the new one included
@@ -239,7 +240,8 @@ RUNS_IN_INTERPRETER = isinstance(_paged_decode_kernel, InterpretedFunction)
 # interpreter-mode helpers break an ahead-of-time compile. Their twins of the right kind stand in while
 # our kernels run or compile, and the originals are put back afterwards.
 _TWINS = {}
-DEVICE_FUNCTIONS = ("_load_query_base2", "_online_softmax_over_range")  # @triton.jit helpers of this module the kernels call
+# @triton.jit helpers of this module the kernels call
+DEVICE_FUNCTIONS = ("_load_query_base2", "_online_softmax_over_range")
 
 
 def _twin(helper, interpreted: bool):
@@ -320,7 +322,8 @@ def _cache_dtypes_hint() -> str:
 
 
 def _check_kv_scales(k_cache, k_scale, v_scale, num_blocks: int, num_kv_heads: int) -> None:
-    """Scales come with 8-bit pools and only with them: float32 [num_blocks, num_kv_heads], contiguous, > 0 and finite."""
+    """Scales come with 8-bit pools and only with them: float32 [num_blocks, num_kv_heads], contiguous, > 0 and
+    finite."""
     quantized = k_cache.dtype in quantized_cache_dtypes()
     cache_dtype = _dtype_name(k_cache.dtype)
     if not quantized:
@@ -336,7 +339,8 @@ def _check_kv_scales(k_cache, k_scale, v_scale, num_blocks: int, num_kv_heads: i
                          f"stored * scale (QuantizedPagedKVCache keeps them in k_scales[layer] and v_scales[layer])")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [num_blocks, num_kv_heads] of float32; got {type(s).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor [num_blocks, num_kv_heads] of float32; "
+                            f"got {type(s).__name__}")
         if s.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (what the kernel reads); got {_dtype_name(s.dtype)}")
         if tuple(s.shape) != (num_blocks, num_kv_heads):
@@ -364,7 +368,8 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
     Quantized pools (int8, or float8_e4m3fn where torch has it) also need k_scale and v_scale: float32
     [num_blocks, num_kv_heads], contiguous, positive and finite; q stays float32, float16 or bfloat16.
     """
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens))
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+             ("seq_lens", seq_lens))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -375,7 +380,8 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
             raise ValueError(f"{name} must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim]; "
                              f"got shape {tuple(cache.shape)}")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
     devices = {name: t.device for name, t in named}
     if len(set(devices.values())) > 1:
         listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
@@ -386,7 +392,8 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
                          f"bfloat16 (only the pools may be 8-bit, with k_scale and v_scale)")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dtype not in SUPPORTED_DTYPES + quantized_cache_dtypes():
-            raise ValueError(f"{name} has dtype {_dtype_name(cache.dtype)}, which is not supported: {_cache_dtypes_hint()}")
+            raise ValueError(f"{name} has dtype {_dtype_name(cache.dtype)}, which is not supported: "
+                             f"{_cache_dtypes_hint()}")
     quantized = k_cache.dtype in quantized_cache_dtypes()
     if k_cache.dtype != v_cache.dtype or not (quantized or q.dtype == k_cache.dtype):
         raise ValueError(f"q, k_cache and v_cache must share one dtype (or the pools share one 8-bit dtype); got "
@@ -425,7 +432,8 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number; got {scale}")
     if num_seqs == 0:
-        return PagedDecodeShape(0, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks_per_seq, 0, scale)
+        return PagedDecodeShape(0, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks_per_seq,
+                                0, scale)
 
     lens = seq_lens.long()
     if (lens < 1).any():
@@ -438,13 +446,15 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
         raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but a block table row holds only {max_blocks_per_seq} "
                          f"blocks of {block_size} = {capacity} tokens")
     # Only the entries a sequence uses must name real blocks; the rest of its row may hold anything.
-    blocks_used = (lens + block_size - 1) // block_size                                          # [num_seqs]
-    used = torch.arange(max_blocks_per_seq, device=lens.device)[None, :] < blocks_used[:, None]  # [num_seqs, max_blocks]
+    blocks_used = (lens + block_size - 1) // block_size                         # [num_seqs]
+    used = torch.arange(max_blocks_per_seq, device=lens.device)[None, :] \
+        < blocks_used[:, None]                                                  # [num_seqs, max_blocks]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         i, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"block_tables[{i}, {j}] is {int(block_tables[i, j])}, outside the pool of {num_blocks} "
-                         f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first {int(blocks_used[i])} entries)")
+                         f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first "
+                         f"{int(blocks_used[i])} entries)")
     return PagedDecodeShape(num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
                             max_blocks_per_seq, int(lens.max()), scale)
 

@@ -12,14 +12,16 @@ from kvlab.quantization import dequantize
 
 
 def gather_blocks(cache, blocks, scales=None):
-    """cache[blocks] in fp32 [n, block_size, num_kv_heads, head_dim]; 8-bit ones times scales[blocks] [n, num_kv_heads]."""
+    """cache[blocks] in fp32 [n, block_size, num_kv_heads, head_dim]; 8-bit ones times scales[blocks]
+    [n, num_kv_heads]."""
     stored = cache[blocks]
     if scales is None:
         return stored.float()
     return dequantize(stored, scales[blocks][:, None, :])  # one scale per (block, head), shared by its slots and dims
 
 
-def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None):
+def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
+                                     v_scale=None):
     """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -29,7 +31,8 @@ def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens
     if (k_scale is None) != (v_scale is None):
         raise ValueError("give both k_scale and v_scale (8-bit pools) or neither")
     if k_scale is None and k_cache.element_size() == 1:
-        raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: pass k_scale and v_scale")
+        raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: "
+                         f"pass k_scale and v_scale")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     scale = head_dim ** -0.5 if scale is None else scale

@@ -114,7 +114,8 @@ def _block_html(block: dict, block_size: int) -> str:
             who += f", logical block {block['logical']}"
     else:
         bar = FREE_FILL_COLOUR
-        background = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 4px, #d0d0d0 4px 6px)" if cached else FREE_COLOUR
+        background = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 4px, #d0d0d0 4px 6px)" if cached \
+            else FREE_COLOUR
         border = "1px dashed #777" if cached else "1px solid #c4c4c4"
         who = "free, cached" if cached else "free"
     hover = f"physical block {block['id']}: {who}; {fill}/{block_size} tokens"
@@ -137,12 +138,15 @@ def _block_html(block: dict, block_size: int) -> str:
              f'border-radius:3px;padding:0 2px">×{_esc(ref_count)}</span>') if ref_count and ref_count > 1 else ""
     label_style = "position:relative;display:block;line-height:12px;background:rgba(255,255,255,.75);padding:0 1px"
     return (
-        f'<div class="kvlab-block" data-block="{_attr(block["id"])}" data-owner="{_attr(owners[0] if owners else None)}"'
+        f'<div class="kvlab-block" data-block="{_attr(block["id"])}"'
+        f' data-owner="{_attr(owners[0] if owners else None)}"'
         f' data-owners="{_esc(" ".join(map(str, owners)))}" data-fill="{fill}" data-cached="{int(cached)}"'
         f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" data-copied="{int(copied)}" title="{_esc(hover)}"'
-        f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;border:{border};{outline}'
+        f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;'
+        f'border:{border};{outline}'
         f'border-radius:4px;background:{background};overflow:hidden;font:10px/1.1 monospace;color:#111">'
-        f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;background:{bar}"></div>'
+        f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;'
+        f'background:{bar}"></div>'
         f'<span style="{label_style};width:max-content">{_esc(block["id"])}</span>'
         f'<span style="{label_style};width:max-content;font-weight:bold">{_esc(owner_label)}</span>{badge}</div>'
     )
@@ -194,7 +198,8 @@ def _sequence_html(seq: dict, blocks_by_id: dict, decode: Callable | None) -> st
         output = " " + output  # token ids: keep the last prompt id and the first new one apart
     return (
         f'<div class="kvlab-seq" data-seq="{_attr(seq["id"])}" data-status="{_esc(status)}"'
-        f' data-blocks="{len(table)}" data-cached-tokens="{_attr(num_cached)}" style="margin:0 0 6px 0;padding:3px 6px;border-left:6px solid {colour}">'
+        f' data-blocks="{len(table)}" data-cached-tokens="{_attr(num_cached)}"'
+        f' style="margin:0 0 6px 0;padding:3px 6px;border-left:6px solid {colour}">'
         f'<div style="font-size:12px"><b>seq {_esc(seq["id"])}</b> · <i>{_esc(status)}</i> · {_esc(detail)}</div>'
         f'<div>{"".join(cells)}</div>'
         f'<div class="kvlab-text" style="font:11px monospace;white-space:pre-wrap;max-width:420px">'
@@ -220,7 +225,8 @@ def _legend_html(blocks: list[dict], width_px: int) -> str:
     cached = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 2px, #a0a0a0 2px 3px)"
     return (
         f'<div class="kvlab-legend" style="font-size:11px;color:#555;margin-top:2px;max-width:{width_px}px">'
-        f'<span style="{swatch};background:{cached};border:1px dashed #777"></span>hatched = free but cached (reusable K/V)'
+        f'<span style="{swatch};background:{cached};border:1px dashed #777"></span>'
+        f'hatched = free but cached (reusable K/V)'
         f' · <span style="font-size:9px;background:#222;color:#fff;border-radius:3px;padding:0 2px">×2</span>'
         f' = ref count (shared) · <span style="{swatch};outline:{HIT_OUTLINE};outline-offset:1px;margin-left:2px;'
         f'margin-right:4px"></span>outline = prefix-cache hit in the last step'
@@ -247,7 +253,8 @@ def render_html(snap: dict | None, decode: Callable | None = None, title: str = 
         parts += [
             _counters_html(counters),
             '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start">'
-            f'<div><div style="font-size:12px;margin-bottom:3px">physical block pool ({size} token slots per block)</div>'
+            f'<div><div style="font-size:12px;margin-bottom:3px">'
+            f'physical block pool ({size} token slots per block)</div>'
             f'<div class="kvlab-pool" style="display:grid;grid-template-columns:repeat({columns},{CELL_PX}px);gap:3px">'
             f'{grid}</div><div style="font-size:11px;color:#555;margin-top:3px;max-width:{columns * (CELL_PX + 3)}px">'
             f'bar height = slots holding tokens · grey = free · hover a block for details</div>'

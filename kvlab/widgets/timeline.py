@@ -62,19 +62,22 @@ def render_timeline_html(history: list, title: str = "") -> str:
             if rid in entry.tokens:
                 tip += f" ({entry.tokens[rid]} tokens)"
             border = "1px solid #bbb" if state and state != "finished" else "1px solid transparent"
-            cells.append(f'<span class="kvlab-cell" data-state="{state}" title="{html.escape(tip)}" style="display:inline-block;'
-                         f'box-sizing:border-box;width:{CELL_W}px;height:{CELL_H}px;background:{colour};border:{border}"></span>')
+            cells.append(f'<span class="kvlab-cell" data-state="{state}" title="{html.escape(tip)}"'
+                         f' style="display:inline-block;box-sizing:border-box;width:{CELL_W}px;height:{CELL_H}px;'
+                         f'background:{colour};border:{border}"></span>')
         last = step_state(shown[-1], rid)
-        rows.append(f'<div class="kvlab-row" data-request="{html.escape(str(rid))}" data-state="{last}" style="white-space:nowrap;'
-                    f'line-height:0"><span style="display:inline-block;width:70px;font:11px/14px monospace;overflow:hidden;'
+        rows.append(f'<div class="kvlab-row" data-request="{html.escape(str(rid))}" data-state="{last}"'
+                    f' style="white-space:nowrap;line-height:0">'
+                    f'<span style="display:inline-block;width:70px;font:11px/14px monospace;overflow:hidden;'
                     f'vertical-align:top">{html.escape(str(rid))}</span>{"".join(cells)}</div>')
     bars = []
     for entry in shown:
         share = entry.used_blocks / entry.num_blocks if entry.num_blocks else 0.0
         height = round(30 * share)
         bars.append(f'<span title="step {entry.step}: {entry.used_blocks} of {entry.num_blocks} blocks used, '
-                    f'{entry.batched_tokens} tokens in the batch" style="display:inline-block;width:{CELL_W}px;height:30px;'
-                    f'vertical-align:bottom;background:linear-gradient(to top,#0072B2 {height}px,#f4f4f4 {height}px)"></span>')
+                    f'{entry.batched_tokens} tokens in the batch"'
+                    f' style="display:inline-block;width:{CELL_W}px;height:30px;vertical-align:bottom;'
+                    f'background:linear-gradient(to top,#0072B2 {height}px,#f4f4f4 {height}px)"></span>')
     last = shown[-1]
     counts = {}
     for rid in ids:
@@ -86,7 +89,8 @@ def render_timeline_html(history: list, title: str = "") -> str:
                       f'vertical-align:middle"></span> {s}' for s, c in STATE_COLOURS.items())
     parts.append(
         f'<div class="kvlab-timeline" data-steps="{len(shown)}" data-step="{last.step}" data-used="{last.used_blocks}"'
-        f' style="font-family:sans-serif"><div class="kvlab-timeline-summary" style="font:12px monospace;margin:2px 0 6px 0">'
+        f' style="font-family:sans-serif">'
+        f'<div class="kvlab-timeline-summary" style="font:12px monospace;margin:2px 0 6px 0">'
         f'{html.escape(summary)}</div><div style="font-size:11px;color:#555">steps {first}-{last.step} →</div>'
         f'{"".join(rows)}<div style="white-space:nowrap;margin-top:4px"><span style="display:inline-block;width:70px;'
         f'font:11px monospace;vertical-align:bottom">pool use</span>{"".join(bars)}</div>'

@@ -7,7 +7,12 @@ import pytest
 from conftest import FAMILIES, make_tiny_model
 from kvlab.analysis.kv_size import load_model_config
 from kvlab.analysis.vllm_bridge import (
-    KNOBS, check_vllm_startup, estimate_num_parameters, estimate_weights_bytes, knobs_table, vllm_num_kv_blocks,
+    KNOBS,
+    check_vllm_startup,
+    estimate_num_parameters,
+    estimate_weights_bytes,
+    knobs_table,
+    vllm_num_kv_blocks,
 )
 
 GiB = 1024 ** 3

@@ -3,11 +3,12 @@
 import pytest
 
 from kvlab import SamplingParams
+from kvlab.baselines.static_batching import StaticBatchingEngine
 from kvlab.baselines.transformers_generate import reference_generate
 from kvlab.engine.llm import LLM
-from kvlab.baselines.static_batching import StaticBatchingEngine
 
-PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be", "KING LEAR.\nNothing will come", "ROMEO.\n", "JULIET.\nO Romeo", "MACBETH.\n"]
+PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be", "KING LEAR.\nNothing will come", "ROMEO.\n", "JULIET.\nO Romeo",
+           "MACBETH.\n"]
 MAX_TOKENS = [10, 60, 25, 40, 5, 33]
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_tiny_model
-from kvlab.cache.attention import causal_attention
-from kvlab.decoding.generate import generate_without_cache, greedy_generate
 from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.cache.attention import causal_attention
 from kvlab.cache.naive_cache import NaiveKVCache
+from kvlab.decoding.generate import generate_without_cache, greedy_generate
 from kvlab.model.attention_hook import forward
 
 

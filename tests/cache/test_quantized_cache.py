@@ -5,13 +5,18 @@ import torch
 
 from kvlab.analysis.kv_size import load_model_config
 from kvlab.cache.paged_cache import PagedKVCache
-from kvlab.cache.ragged_batch import BatchLayout
 from kvlab.cache.paged_cache import gather_kv as gather_plain
+from kvlab.cache.quantized_cache import (
+    QuantizedPagedKVCache,
+    block_bytes,
+    compare_capacity,
+    gather_kv,
+    logit_and_perplexity_change,
+    tokens_that_fit,
+)
+from kvlab.cache.ragged_batch import BatchLayout
 from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.paths import ASSETS_DIR
-from kvlab.cache.quantized_cache import (
-    QuantizedPagedKVCache, block_bytes, compare_capacity, gather_kv, logit_and_perplexity_change, tokens_that_fit,
-)
 from kvlab.quantization import FP8_E4M3_MAX, INT8_MAX, SCALE_BYTES, SCALE_FLOOR
 
 DTYPES = ["int8", "fp8"]
@@ -57,7 +62,8 @@ def test_int8_dequantised_values_within_half_a_scale():
 
 
 def test_fp8_dequantised_values_within_its_relative_precision():
-    """fp8 e4m3: the block's amax maps to 448; each element within |x| / 16 (3 mantissa bits) + a subnormal half-step."""
+    """fp8 e4m3: the block's amax maps to 448; each element within |x| / 16 (3 mantissa bits) + a subnormal
+    half-step."""
     g = torch.Generator().manual_seed(1)
     cache = QuantizedPagedKVCache(1, 4, 16, 2, 32, "fp8")
     x = torch.randn(64, 2, 32, generator=g) * 3
@@ -126,7 +132,8 @@ def test_writing_a_blocks_first_slot_starts_it_afresh(kv_cache_dtype):
 
 
 def test_static_scales_never_grow_and_saturate():
-    """After set_scales the layer keeps its scales; stored values are requantised, larger ones saturate at 127 x scale."""
+    """After set_scales the layer keeps its scales; stored values are requantised, larger ones saturate at
+    127 x scale."""
     cache = QuantizedPagedKVCache(2, 2, 4, 2, 8, "int8")
     x = torch.linspace(-2, 2, 32).view(2, 2, 8)
     cache.write(0, x, x, torch.arange(2))
@@ -226,7 +233,8 @@ def test_greedy_generation_on_the_embedded_model_follows_the_fp32_cache(embedded
     ("int8", 0.5, 0.03, 0.002, 0.99),
     ("fp8", 1.5, 0.1, 0.01, 0.95),
 ])
-def test_logit_and_perplexity_change_on_shakespeare(embedded, kv_cache_dtype, max_logit, mean_logit, max_ppl_change, min_top1):
+def test_logit_and_perplexity_change_on_shakespeare(embedded, kv_cache_dtype, max_logit, mean_logit, max_ppl_change,
+                                                    min_top1):
     """512 characters of the shipped text, teacher-forced in chunks of 8: logits and perplexity barely move.
 
     Measured on 3 stretches (offsets 10,000, 200,000, 600,000): int8 max |dlogit| 0.18-0.23, mean 0.012,
@@ -309,7 +317,8 @@ def test_fp8_on_a_torch_without_float8_says_so(monkeypatch):
     (-0.5, 1.0, "k_scale must be positive and finite, got -0.5"),
     (float("nan"), 1.0, "k_scale must be positive and finite, got nan"),
     (float("inf"), 1.0, "k_scale must be positive and finite, got inf"),
-    (1.0, torch.tensor([1.0, 0.0]), "v_scale must be positive and finite, got 0.0"),  # a good K scale is not applied either
+    # a good K scale is not applied either
+    (1.0, torch.tensor([1.0, 0.0]), "v_scale must be positive and finite, got 0.0"),
     (torch.ones(3), 1.0, r"k_scale has shape \(3,\)"),
 ])
 def test_bad_explicit_scales_are_rejected_and_nothing_changes(kv_cache_dtype, k_scale, v_scale, message):
@@ -359,4 +368,5 @@ def test_fork_copy_blocks_carries_scales():
     cache, *_ = _filled_cache("int8")
     copy_blocks(cache, [(1, 2)])
     assert torch.equal(cache.k_pools[0][2], cache.k_pools[0][1])
-    assert torch.equal(cache.k_scales[0][2], cache.k_scales[0][1]) and torch.equal(cache.v_scales[0][2], cache.v_scales[0][1])
+    assert torch.equal(cache.k_scales[0][2], cache.k_scales[0][1]) \
+        and torch.equal(cache.v_scales[0][2], cache.v_scales[0][1])

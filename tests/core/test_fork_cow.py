@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvlab.cache.paged_cache import copy_blocks
+from kvlab.cache.paged_cache import PagedKVCache, copy_blocks
 from kvlab.core.fork import CowBlockManager
-from kvlab.cache.paged_cache import PagedKVCache
 
 
 def state(m):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from kvlab.cache.attention import causal_attention
 from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.cache.attention import causal_attention
 from kvlab.cache.paged_cache import PagedKVCache, gather_kv, paged_attention
 from kvlab.cache.ragged_batch import BatchLayout
-from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.core.paging import BlockManager, num_blocks_needed, physical_slot
+from kvlab.decoding.paged_generate import PagedGenerator
 
 
 def _state(manager: BlockManager):

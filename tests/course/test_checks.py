@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kvlab.decoding.generate
 import kvlab.cache.naive_cache
+import kvlab.decoding.generate
 from kvlab.checks import CheckFailed, check_close, check_equal, limited_output, own_implementation
 
 

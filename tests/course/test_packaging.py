@@ -1,8 +1,9 @@
 """The install files agree: environment.yml, pyproject.toml and the pinned constraints."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,8 @@ def _pins() -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         match = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+-]*)", line.strip())
-        assert match, f"constraints.txt line {line!r} is not an exact pin name==version: scripts/setup.sh needs exact ones"
+        assert match, (f"constraints.txt line {line!r} is not an exact pin name==version: "
+                       f"scripts/setup.sh needs exact ones")
         assert match.group(1).lower() not in pins, f"{match.group(1)} is pinned twice"
         pins[match.group(1).lower()] = match.group(2)
     return pins

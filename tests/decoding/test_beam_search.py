@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import make_tiny_model
-from kvlab.decoding.beam_search import beam_search
 from kvlab.baselines.transformers_generate import reference_beam_search
+from kvlab.decoding.beam_search import beam_search
 from kvlab.decoding.parallel_sampling import sample_n
 
 PROMPT = [3, 5, 7, 11, 13]

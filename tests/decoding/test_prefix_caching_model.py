@@ -76,7 +76,8 @@ def test_prefix_caching_is_the_chapter_3_loop_on_another_block_manager():
     assert paged.run() == plugged.run() == [reference_generate(model, p, n) for p, n in zip(prompts, lengths)]
     assert paged.prefill_tokens_fed == sum(map(len, prompts)) and paged.num_cached_tokens == {0: 0, 1: 0, 2: 0}, \
         "Chapter 3's BlockManager finds no computed blocks: every prompt token is prefilled"
-    assert plugged.num_cached_tokens == {0: 0, 1: 8, 2: 0} and plugged.prefill_tokens_fed == paged.prefill_tokens_fed - 8
+    assert plugged.num_cached_tokens == {0: 0, 1: 8, 2: 0} \
+        and plugged.prefill_tokens_fed == paged.prefill_tokens_fed - 8
     with pytest.raises(ValueError, match="the block manager has 16 blocks of 4"):
         PagedGenerator(model, num_blocks=32, block_size=4, block_manager=KVCacheManager(16, 4))
 

@@ -3,11 +3,10 @@
 import random
 
 import pytest
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from kvlab import LLM, BeamSearchParams, SamplingParams
-from kvlab.baselines.transformers_generate import reference_beam_search
-from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.baselines.transformers_generate import reference_beam_search, reference_generate
 from kvlab.engine.llm_engine import LLMEngine
 
 PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be, or not", "KING LEAR.\nNothing will come of nothing.\n",
@@ -60,7 +59,8 @@ CONFIGS = {
     "one at a time": dict(num_blocks=64, max_num_seqs=1, max_num_batched_tokens=256),
     "chunked prefill": dict(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=7),
     "recompute, tiny pool": dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32, block_size=8),
-    "swap, tiny pool": dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32, block_size=8, preemption_mode="swap"),
+    "swap, tiny pool": dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
+                            preemption_mode="swap"),
     "swap, no prefix caching": dict(num_blocks=6, max_num_seqs=8, max_num_batched_tokens=16, block_size=16,
                                     preemption_mode="swap", enable_prefix_caching=False),
     "swap space too small": dict(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
@@ -158,7 +158,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(embedded):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, max_tokens=30, seed=7)
     alone = LLM(model, tokenizer, num_blocks=64).generate(PROMPTS[1], params)[0].outputs[0].token_ids
     crowd = LLM(model, tokenizer, num_blocks=64, max_num_batched_tokens=16).generate(
-        PROMPTS, [params if i == 1 else SamplingParams(temperature=1.0, max_tokens=20, seed=i) for i in range(len(PROMPTS))])
+        PROMPTS, [params if i == 1 else SamplingParams(temperature=1.0, max_tokens=20, seed=i)
+                  for i in range(len(PROMPTS))])
     assert crowd[1].outputs[0].token_ids == alone, "a seed fixes a request's samples whatever shares its batch"
     again = LLM(model, tokenizer, num_blocks=64).generate(PROMPTS[1], params)[0].outputs[0].token_ids
     assert again == alone
@@ -329,7 +330,8 @@ def test_fuzz_random_traces(tiny, tiny_refs, seed):
             if rid in engine.parents and rng.random() < 0.2 and not engine.requests[rid].status.finished:
                 finished[rid] = engine.abort_request(rid).outputs[0]
         step += 1
-    assert set(finished) == {rid for rid, *_ in requests}, f"lost requests {set(engine.parents) - set(finished)} ({kwargs})"
+    assert set(finished) == {rid for rid, *_ in requests}, \
+        f"lost requests {set(engine.parents) - set(finished)} ({kwargs})"
     for rid, prompt, n, _ in requests:
         got = finished[rid]
         ref = _tiny_ref(tiny, tiny_refs, prompt, n)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.model_runner import ModelRunner

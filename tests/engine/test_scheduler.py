@@ -10,8 +10,6 @@ otherwise, and every prompt has its own tokens, so no two requests share a block
 
 import itertools
 
-import pytest
-
 import kvlab.engine.scheduler as scheduler_module
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.swap import SwapSpace

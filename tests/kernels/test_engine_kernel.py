@@ -6,12 +6,12 @@ same test runs the compiled kernel, and test_gpu.py checks the embedded model th
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
 import kvlab.kernels  # noqa: F401  (on a CPU-only machine this switches Triton to its interpreter)
+from conftest import make_tiny_model
 from kvlab import SamplingParams
-from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.engine.llm_engine import LLMEngine
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 15, 16, 23, 42, 1, 6]]
@@ -31,7 +31,8 @@ def test_engine_with_the_triton_decode_kernel_equals_generate(num_kv_heads):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     for i, prompt in enumerate(PROMPTS):
-        assert done[str(i)] == reference_generate(model, prompt, 6), f"request {i} differs with the Triton decode kernel"
+        assert done[str(i)] == reference_generate(model, prompt, 6), \
+            f"request {i} differs with the Triton decode kernel"
 
 
 def test_backend_choice_and_bad_backend(monkeypatch):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")]
 
 PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be, or not", "KING LEAR.\nNothing will come of nothing.\n", "ROMEO.\n"]
 
@@ -28,8 +29,7 @@ def test_engine_on_gpu_equals_generate():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_kernel_long_context_on_gpu(dtype, block_size):
-    from kvlab.kernels import (paged_attention_decode, paged_attention_decode_reference,
-                               paged_attention_decode_split_kv)
+    from kvlab.kernels import paged_attention_decode, paged_attention_decode_reference, paged_attention_decode_split_kv
 
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs sm_80 or newer (T4 is sm_75)")

@@ -20,7 +20,8 @@ POOL_KERNELS = KERNELS[:2]  # the reduce kernel reads fp32 scratch, never the po
 # head_dim 80 checks the masked, padded loads with fp16 pools only ('--kv-dtypes' with no value: no int8 variant).
 RUNS = (
     "main(['--sm', '75', '80', '--json'])",
-    "main(['--sm', '90', '--json']); main(['--sm', '80', '--head-dim', '80', '--dtypes', 'fp16', '--kv-dtypes', '--json'])",
+    ("main(['--sm', '90', '--json']); "
+     "main(['--sm', '80', '--head-dim', '80', '--dtypes', 'fp16', '--kv-dtypes', '--json'])"),
 )
 
 
@@ -38,7 +39,8 @@ def _expected():
 
 
 def test_kernels_compile_to_ptx_and_cubin_for_sm75_sm80_sm90(tmp_path):
-    """Every kernel x dtype (x int8 / fp8 pool) gives PTX for its target and an ELF cubin, loading K and V 16 bytes at a time."""
+    """Every kernel x dtype (x int8 / fp8 pool) gives PTX for its target and an ELF cubin, loading K and V
+    16 bytes at a time."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvlab.kernels.paged_attention as pa
+from kvlab.cache.paged_cache import paged_attention as chapter3_paged_attention
 from kvlab.kernels import (
     allocate_split_workspace,
     choose_num_splits,
@@ -25,7 +26,6 @@ from kvlab.kernels import (
     paged_attention_decode_split_kv,
     validate_paged_decode_inputs,
 )
-from kvlab.cache.paged_cache import paged_attention as chapter3_paged_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cpu" if pa.RUNS_IN_INTERPRETER else "cuda")  # where the kernels can run in this process
@@ -35,7 +35,8 @@ KERNELS = {"one-pass": paged_attention_decode, "split-KV": paged_attention_decod
 
 def make_batch(seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
                spare_blocks=3, seed=0):
-    """A pool with spare blocks, each sequence on randomly placed blocks of its own: (q, k_cache, v_cache, tables, lens).
+    """A pool with spare blocks, each sequence on randomly placed blocks of its own: (q, k_cache, v_cache, tables,
+    lens).
 
     Table entries past a sequence's last block are -1: never read, so they may hold anything.
     """
@@ -55,14 +56,16 @@ def make_batch(seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=64, block_size
 
 def check(name, yours, spec):
     """Same shape and dtype as the spec, and within the dtype's tolerance; print both side by side if not."""
-    assert yours.shape == spec.shape, f"{name}: output shape {tuple(yours.shape)}, expected {tuple(spec.shape)} (q's shape)"
+    assert yours.shape == spec.shape, \
+        f"{name}: output shape {tuple(yours.shape)}, expected {tuple(spec.shape)} (q's shape)"
     assert yours.dtype == spec.dtype, f"{name}: output dtype {yours.dtype}, expected {spec.dtype} (q's dtype)"
     tol = TOL[spec.dtype]
     diff = (yours.float() - spec.float()).abs()
     worst = int(diff.flatten().nan_to_num(float("inf")).argmax())
     assert torch.allclose(yours.float(), spec.float(), atol=tol, rtol=tol), (
         f"{name}: max |yours - spec| = {diff.max().item():.3g} (tolerance {tol:g} for {spec.dtype}) at flat index "
-        f"{worst}\n  Yours: {yours.flatten()[worst:worst + 4].tolist()}\n  Spec:  {spec.flatten()[worst:worst + 4].tolist()}")
+        f"{worst}\n  Yours: {yours.flatten()[worst:worst + 4].tolist()}\n"
+        f"  Spec:  {spec.flatten()[worst:worst + 4].tolist()}")
 
 
 def test_the_kernels_run_in_the_interpreter_here():
@@ -157,7 +160,8 @@ def test_never_reads_past_a_sequence_or_outside_its_blocks(block_size):
         kwargs = {"num_splits": 3} if name == "split-KV" else {}
         out = kernel(q, k_bad, v_bad, tables_bad, lens, **kwargs)
         assert torch.isfinite(out).all(), (f"{name}: NaN/inf in the output, so the kernel loaded a poisoned slot "
-                                           "(an unused block, a slot past seq_len, or a block named by an unused table entry)")
+                                           "(an unused block, a slot past seq_len, "
+                                           "or a block named by an unused table entry)")
         check(f"{name} on the poisoned pool", out, spec)
 
 
@@ -195,7 +199,8 @@ def test_choose_num_splits_grows_with_context_and_shrinks_with_batch():
     assert choose_num_splits(1, 32, 100, num_sms=132) == 1, "no split is shorter than MIN_TOKENS_PER_SPLIT"
     assert choose_num_splits(1, 1, 10**6, num_sms=132) == pa.MAX_SPLITS
     batch = make_batch([300, 20], num_heads=2, num_kv_heads=1)
-    check("split-KV with num_splits=None", paged_attention_decode_split_kv(*batch), paged_attention_decode_reference(*batch))
+    check("split-KV with num_splits=None", paged_attention_decode_split_kv(*batch),
+          paged_attention_decode_reference(*batch))
 
 
 def test_explicit_scale_strided_inputs_and_an_empty_batch():
@@ -213,7 +218,8 @@ def test_explicit_scale_strided_inputs_and_an_empty_batch():
 
 
 def _valid():
-    return make_batch([20, 5])  # 4 heads on 2 KV heads, head_dim 64, block size 16, 3 blocks needed + 3 spare, tables 3 wide
+    # 4 heads on 2 KV heads, head_dim 64, block size 16, 3 blocks needed + 3 spare, tables 3 wide
+    return make_batch([20, 5])
 
 
 def _set(index, value):
@@ -238,15 +244,19 @@ BAD_INPUTS = {
     "3-dim k_cache": (_set(1, lambda k: k[0]), "k_cache must have 4 dims"),
     "v_cache of another shape": (_set(2, lambda v: v[:, :8]), "must have the same shape"),
     "q's head_dim differs": (_set(0, lambda q: q[..., :32]), "q has head_dim 32 but the caches have head_dim 64"),
-    "6 heads on 4 KV heads": (lambda a: [_set(i, lambda t: torch.randn(*t.shape[:-2], n, 64, device=t.device))(a)
+    "6 heads on 4 KV heads": (lambda a: [_set(i, lambda t, n=n: torch.randn(*t.shape[:-2], n, 64, device=t.device))(a)
                                          for i, n in ((0, 6), (1, 4), (2, 4))], "multiple of num_kv_heads"),
-    "int8 tensors": (lambda a: [_set(i, lambda t: t.to(torch.int8))(a) for i in range(3)], "int8, which is not supported"),
-    "float64 tensors": (lambda a: [_set(i, lambda t: t.double())(a) for i in range(3)], "float64, which is not supported"),
+    "int8 tensors": (lambda a: [_set(i, lambda t: t.to(torch.int8))(a) for i in range(3)],
+                     "int8, which is not supported"),
+    "float64 tensors": (lambda a: [_set(i, lambda t: t.double())(a) for i in range(3)],
+                        "float64, which is not supported"),
     "fp16 q on fp32 caches": (_set(0, lambda q: q.half()), "must share one dtype"),
     "block size 12": (lambda a: [_set(i, lambda t: t[:, :12])(a) for i in (1, 2)], "block_size 12 is not supported"),
-    "head_dim 300": (lambda a: [_set(i, lambda t: torch.randn(*t.shape[:-1], 300, device=t.device))(a) for i in range(3)],
+    "head_dim 300": (lambda a: [_set(i, lambda t: torch.randn(*t.shape[:-1], 300, device=t.device))(a)
+                                for i in range(3)],
                      "head_dim 300 is not supported"),
-    "head_dim 8": (lambda a: [_set(i, lambda t: t[..., :8].contiguous())(a) for i in range(3)], "head_dim 8 is not supported"),
+    "head_dim 8": (lambda a: [_set(i, lambda t: t[..., :8].contiguous())(a) for i in range(3)],
+                   "head_dim 8 is not supported"),
     "int64 block tables": (_set(3, lambda t: t.long()), "block_tables must be int32"),
     "int64 seq_lens": (_set(4, lambda t: t.long()), "seq_lens must be int32"),
     "a table row too few": (_set(3, lambda t: t[:1]), "block_tables must have shape"),
@@ -310,7 +320,8 @@ def test_a_good_call_changes_no_input():
     before = [t.clone() for t in args]
     for kernel in KERNELS.values():
         kernel(*args)
-    assert all(torch.equal(a, b) for a, b in zip(before, args)), "a decode kernel must not write to q, the pools or the tables"
+    assert all(torch.equal(a, b) for a, b in zip(before, args)), \
+        "a decode kernel must not write to q, the pools or the tables"
 
 
 def _run_python(code, env_changes):
@@ -350,10 +361,12 @@ def test_cpu_tensors_with_compiled_kernels_say_how_to_fix_it():
         assert not K.RUNS_IN_INTERPRETER, "TRITON_INTERPRET=0 must keep the compiled kernels"
         q, k, v = torch.randn(1, 2, 64), torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)
         try:
-            K.paged_attention_decode(q, k, v, torch.tensor([[1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
+            K.paged_attention_decode(q, k, v, torch.tensor([[1]], dtype=torch.int32),
+                                     torch.tensor([5], dtype=torch.int32))
         except RuntimeError as e:
             print(e)
     """, {"TRITON_INTERPRET": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "set TRITON_INTERPRET=1 before importing kvlab.kernels" in result.stdout, (
-        f"expected a RuntimeError telling the user to set TRITON_INTERPRET=1; got:\n{result.stdout}{result.stderr[-2000:]}")
+        f"expected a RuntimeError telling the user to set TRITON_INTERPRET=1; "
+        f"got:\n{result.stdout}{result.stderr[-2000:]}")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvlab.kernels.paged_attention as pa
+from kvlab.cache.quantized_cache import QuantizedPagedKVCache, quantized_paged_attention
 from kvlab.kernels import (
     launch_paged_decode,
     launch_paged_decode_split_kv,
@@ -29,7 +30,6 @@ from kvlab.kernels import (
     quantized_cache_dtypes,
     validate_paged_decode_inputs,
 )
-from kvlab.cache.quantized_cache import QuantizedPagedKVCache, quantized_paged_attention
 from kvlab.quantization import quantize
 
 DEVICE = torch.device("cpu" if pa.RUNS_IN_INTERPRETER else "cuda")
@@ -91,7 +91,8 @@ class Batch:
 def check(name, yours, spec, tol):
     """Same shape and dtype as the spec and within tol; print both side by side if not."""
     assert yours.shape == spec.shape and yours.dtype == spec.dtype, (
-        f"{name}: got {tuple(yours.shape)} {yours.dtype}, expected {tuple(spec.shape)} {spec.dtype} (q's shape and dtype)")
+        f"{name}: got {tuple(yours.shape)} {yours.dtype}, expected {tuple(spec.shape)} {spec.dtype} "
+        f"(q's shape and dtype)")
     diff = (yours.float() - spec.float()).abs()
     worst = int(diff.flatten().nan_to_num(float("inf")).argmax())
     assert torch.allclose(yours.float(), spec.float(), atol=tol, rtol=tol), (
@@ -111,7 +112,8 @@ def test_kernels_equal_the_reference_on_the_dequantised_pool(kv_cache_dtype, ker
     assert torch.equal(dequantising_spec, spec), "the reference with scales dequantises exactly as the cache does"
     kwargs = {"num_splits": 2} if kernel_name == "split-KV" else {}
     out = KERNELS[kernel_name](*batch.args, **batch.scales, **kwargs)
-    check(f"{kernel_name} on {kv_cache_dtype} pools vs the reference on dequantised pools", out, spec, TOL[torch.float32])
+    check(f"{kernel_name} on {kv_cache_dtype} pools vs the reference on dequantised pools", out, spec,
+          TOL[torch.float32])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
@@ -269,14 +271,17 @@ def _bytes(t):
 BAD_INPUTS = {
     "int8 pools without scales": (lambda a, s: s.clear(), "required \\(k_scale and v_scale missing\\)"),
     "int8 pools without v_scale": (lambda a, s: s.pop("v_scale"), "\\(v_scale missing\\)"),
-    "k_scale of one block only": (_scale("k_scale", lambda t: t[:1]), "shape \\[num_blocks, num_kv_heads\\] = \\(6, 2\\)"),
+    "k_scale of one block only": (_scale("k_scale", lambda t: t[:1]),
+                                  "shape \\[num_blocks, num_kv_heads\\] = \\(6, 2\\)"),
     "v_scale per head only": (_scale("v_scale", lambda t: t[0]), "v_scale must have shape"),
     "k_scale transposed": (_scale("k_scale", lambda t: t.t().contiguous()), "got \\(2, 6\\)"),
     "fp16 k_scale": (_scale("k_scale", lambda t: t.half()), "k_scale must be float32"),
     "float64 v_scale": (_scale("v_scale", lambda t: t.double()), "v_scale must be float32"),
     "k_scale on another device": (_scale("k_scale", lambda t: t.to("meta")), "k_scale is on meta"),
-    "a broadcast (non-contiguous) v_scale": (_scale("v_scale", lambda t: t[:1].expand(6, 2)), "v_scale must be contiguous"),
-    "a NaN scale": (_put("k_scale", 4, 1, float("nan")), "k_scale\\[4, 1\\] is nan: every scale must be positive and finite"),
+    "a broadcast (non-contiguous) v_scale": (_scale("v_scale", lambda t: t[:1].expand(6, 2)),
+                                             "v_scale must be contiguous"),
+    "a NaN scale": (_put("k_scale", 4, 1, float("nan")),
+                    "k_scale\\[4, 1\\] is nan: every scale must be positive and finite"),
     "an infinite scale": (_put("v_scale", 0, 0, float("inf")), "v_scale\\[0, 0\\] is inf"),
     "a zero scale": (_put("k_scale", 2, 0, 0.0), "k_scale\\[2, 0\\] is 0.0"),
     "a negative scale": (_scale("v_scale", lambda t: -t), "v_scale\\[0, 0\\] is -"),
@@ -286,7 +291,8 @@ BAD_INPUTS = {
     "uint8 pools": (_pools(lambda t: t.view(torch.uint8)), "uint8, which is not supported"),
     "scales with fp32 pools": (_pools(lambda t: t.float()), "scales are only for int8 or fp8 pools"),
     "k_scale alone with fp16 pools": (lambda a, s: [_pools(lambda t: t.half())(a, s), s.pop("v_scale"),
-                                                     a.__setitem__(0, a[0].half())], "k_scale given, but the caches are"),
+                                                     a.__setitem__(0, a[0].half())],
+                                      "k_scale given, but the caches are"),
 }
 
 

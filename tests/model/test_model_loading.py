@@ -3,8 +3,8 @@
 import pytest
 
 from kvlab import load_model
-from kvlab.decoding.generate import greedy_generate
 from kvlab.baselines.transformers_generate import reference_generate
+from kvlab.decoding.generate import greedy_generate
 
 
 def test_missing_model_path_is_named(tmp_path):

@@ -1,4 +1,5 @@
-"""The training script runs end to end, learns, is reproducible from its seed, and its output loads with from_pretrained."""
+"""The training script runs end to end, learns, is reproducible from its seed, and its output loads with
+from_pretrained."""
 
 import json
 import math

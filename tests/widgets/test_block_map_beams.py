@@ -1,9 +1,9 @@
 """Chapter 5's block map: beam search stepped one step at a time, showing shared blocks, copies and dead beams."""
 
 import pytest
-from conftest import make_tiny_model
 from test_block_map_widget import elements
 
+from conftest import make_tiny_model
 from kvlab.decoding.beam_search import BeamSearch, beam_search
 from kvlab.widgets import BlockMap, render_html, snapshot
 

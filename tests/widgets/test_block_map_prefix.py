@@ -1,9 +1,9 @@
 """Chapter 3's block map drawing Chapter 4's prefix-caching engine: shared, cached and re-hit blocks."""
 
 import pytest
-from conftest import make_tiny_model
 from test_block_map_widget import elements
 
+from conftest import make_tiny_model
 from kvlab.decoding.prefix_generate import PrefixCachingGenerator
 from kvlab.widgets import BlockMap, render_html, snapshot
 

@@ -3,8 +3,8 @@
 from html.parser import HTMLParser
 
 import pytest
-from conftest import make_tiny_model
 
+from conftest import make_tiny_model
 from kvlab.decoding.paged_generate import PagedGenerator
 from kvlab.widgets import BlockMap, render_html, snapshot
 
