@@ -15,13 +15,18 @@ class ArgumentTypeError(TypeError, ValueError):
     """
 
 
+def is_integer(value) -> bool:
+    """Whether value is an integer and not a bool (True as a count or an id is always a bug)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, minimum: int = 1) -> int:
     """value as an int if it is an integer >= minimum: ArgumentTypeError for a non-integer, ValueError for one
     too small.
 
     bool is an int to Python, but True as a count is always a bug, so it is refused.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise ArgumentTypeError(f"{name} must be {_int_words(minimum)}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be {_int_words(minimum)}, got {value!r}")

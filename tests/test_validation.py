@@ -43,3 +43,11 @@ def test_zero_can_be_refused():
     assert check_number("bytes", 0) == 0
     with pytest.raises(ValueError, match="bytes must be positive, got 0"):
         check_number("bytes", 0, allow_zero=False)
+
+
+def test_is_integer_is_the_one_rule_for_counts_and_ids():
+    import numpy as np
+
+    from kvlab.validation import is_integer
+    assert is_integer(3) and is_integer(np.int32(3)) and is_integer(-1)
+    assert not any(is_integer(v) for v in (True, 3.0, "3", None))

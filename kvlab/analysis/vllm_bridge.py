@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvlab.analysis.kv_size import DTYPE_BYTES, config_dict, dtype_bytes, kv_cache_bytes_per_token
 from kvlab.core.paging import num_blocks_needed
-from kvlab.validation import check_number
+from kvlab.validation import check_number, is_integer
 
 GiB = 1024 ** 3
 
@@ -202,8 +202,7 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
             f"gpu_memory_utilization is the fraction of GPU memory vLLM may use, in (0, 1]; "
             f"got {gpu_memory_utilization!r}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-            or block_size & (block_size - 1):
+    if not is_integer(block_size) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two (vLLM's default is 16), got {block_size!r}")
     if weights_bytes is None:
         weights_bytes = estimate_weights_bytes(cfg, dtype)
@@ -212,7 +211,7 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     check_number("other_bytes", other_bytes, what="number of bytes")
     if max_model_len is None:
         max_model_len = int(cfg["max_position_embeddings"])
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+    if not is_integer(max_model_len) or max_model_len < 1:
         raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
 
     per_token = kv_cache_bytes_per_token(cfg, _kv_dtype_name(cfg, kv_cache_dtype, dtype))  # all layers, K and V

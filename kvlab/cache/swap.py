@@ -14,7 +14,7 @@ import math
 import torch
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.validation import check_int
+from kvlab.validation import check_int, is_integer
 
 
 class SwapSpace:
@@ -73,7 +73,7 @@ class SwapSpace:
         """Return CPU blocks to the pool; an unknown or already free block is a ValueError and frees nothing."""
         cpu_block_ids = list(cpu_block_ids)
         bad = [i for i in cpu_block_ids
-               if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks]
+               if not is_integer(i) or not 0 <= i < self.num_blocks]
         if bad:
             raise ValueError(f"CPU block ids {bad} are outside the swap space of {self.num_blocks} blocks")
         if cpu_block_ids:

@@ -36,7 +36,7 @@ from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.stats import EngineStats, StepRecord
 from kvlab.model.config import context_length, eos_token_ids
-from kvlab.validation import check_block_size, check_positive_int
+from kvlab.validation import check_block_size, check_positive_int, is_integer
 
 DEFAULT_POOL_BYTES = 512 * 2**20  # the pool's size when neither num_blocks nor kv_cache_memory is given
 
@@ -66,7 +66,7 @@ class LLMEngine:
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory (a byte budget for the pool), not both")
         if kv_cache_memory is not None:
-            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
+            if not is_integer(kv_cache_memory) \
                     or kv_cache_memory < block_bytes:
                 raise ValueError(f"kv_cache_memory must be an integer number of bytes, at least one block "
                                  f"({block_bytes} bytes), got {kv_cache_memory!r}")
@@ -110,7 +110,7 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, Sequence) or any(not is_integer(t) for t in prompt):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-from kvlab.validation import check_positive_int
+from kvlab.validation import check_positive_int, is_integer
 
 
 @dataclass(slots=True)
@@ -32,12 +32,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_integer(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to keep every token, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not is_integer(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+        if any(not is_integer(t) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = stops
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.validation import is_integer
+
 # @triton.jit decides, when each decorator runs, whether the kernel is compiled for a GPU or executed by
 # Triton's interpreter on CPU tensors: triton 3.x reads TRITON_INTERPRET (through triton.knobs) at that
 # moment, so it must be set before the decorators below, and setting it later changes nothing for them.
@@ -597,7 +599,7 @@ def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens,
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
         num_splits = choose_num_splits(shape.num_seqs, shape.num_heads, shape.max_seq_len, num_sms)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    if not is_integer(num_splits) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits,
