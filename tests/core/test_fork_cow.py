@@ -1,11 +1,9 @@
 """Chapter 5: fork shares blocks, copy-on-write copies only a shared, partly filled last block."""
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache.paged_cache import PagedKVCache, copy_blocks
 from kvlab.core.fork import CowBlockManager
 
 
@@ -85,35 +83,6 @@ def test_freeing_the_copy_drops_its_pending_order():
     assert m.copy_orders == [(0, 1)]
     m.free("b")
     assert m.copy_orders == [], "block 1 went back to the pool: nobody reads a copy into it"
-
-
-def test_copy_blocks_copies_k_and_v_in_every_layer():
-    cache = PagedKVCache(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=5)
-    for pool in cache.k_pools + cache.v_pools:
-        pool.copy_(torch.randn_like(pool))
-    before = [p.clone() for p in cache.k_pools + cache.v_pools]
-    copy_blocks(cache, [(1, 4), (2, 5)])
-    for old, new in zip(before, cache.k_pools + cache.v_pools):
-        assert torch.equal(new[4], old[1]) and torch.equal(new[5], old[2])
-        assert torch.equal(new[:4], old[:4])
-    with pytest.raises(ValueError):
-        copy_blocks(cache, [(1, 6)])
-
-
-def test_cow_in_model_cache_copies_the_source_kv():
-    cache = PagedKVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=3)
-    m = CowBlockManager(8, block_size=4)
-    slots = m.allocate_slots("a", 6)
-    k = torch.randn(6, 2, 3)
-    for layer in range(2):
-        cache.write(layer, k * (layer + 1), -k, torch.tensor(slots))
-    m.fork("a", "b")
-    _, copy = append(m, "b")
-    copy_blocks(cache, [copy])
-    src, dst = copy
-    for layer in range(2):
-        assert torch.equal(cache.k_pools[layer][dst, :2], cache.k_pools[layer][src, :2])
-        assert torch.equal(cache.v_pools[layer][dst, :2], (-k)[4:6])
 
 
 def test_free_returns_only_unreferenced_blocks():

@@ -1,18 +1,10 @@
 """Chapter 3: block tables, slot mapping, the paged K/V pools and multi-sequence decoding on them."""
 
 import copy
-import random
 
 import pytest
-import torch
 
-from conftest import make_tiny_model
-from kvlab.baselines.transformers_generate import reference_generate
-from kvlab.cache.attention import causal_attention
-from kvlab.cache.paged_cache import PagedKVCache, gather_kv, paged_attention
-from kvlab.cache.ragged_batch import BatchLayout
 from kvlab.core.paging import BlockManager, num_blocks_needed, physical_slot
-from kvlab.decoding.paged_generate import PagedGenerator
 
 
 def _state(manager: BlockManager):
@@ -112,76 +104,3 @@ def test_exhaustion_is_an_error_that_changes_nothing():
     assert _state(manager) == before and manager.num_blocks_to_allocate("b", 1) > manager.num_free_blocks
     with pytest.raises(ValueError, match="positive integer"):
         manager.allocate_slots("a", 0)
-
-
-def test_slot_outside_the_pool_is_rejected_and_the_pool_untouched():
-    cache = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=2)
-    before = cache.k_pools[0].clone()
-    with pytest.raises(ValueError, match="slot 8 is outside the pool of 8 slots"):
-        cache.write(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.tensor([3, 8]))
-    with pytest.raises(ValueError, match="one slot per token"):
-        cache.write(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.tensor([3]))
-    assert torch.equal(cache.k_pools[0], before)
-    with pytest.raises(ValueError, match="outside the pool"):
-        cache.set_batch(BatchLayout([1], [1], [[5]], torch.tensor([0])))
-
-
-def test_gather_and_paged_attention_equal_contiguous_attention_on_shuffled_blocks():
-    g = torch.Generator().manual_seed(0)
-    block_size, seq_len, heads, kv_heads, dim = 4, 11, 4, 2, 8
-    k = torch.randn(kv_heads, seq_len, dim, generator=g)
-    v = torch.randn(kv_heads, seq_len, dim, generator=g)
-    cache = PagedKVCache(1, num_blocks=9, block_size=block_size, num_kv_heads=kv_heads, head_dim=dim)
-    table = [6, 0, 3]  # deliberately out of order
-    slots = torch.tensor([physical_slot(table, p, block_size) for p in range(seq_len)])
-    cache.write(0, k.transpose(0, 1), v.transpose(0, 1), slots)
-    torch.testing.assert_close(gather_kv(cache.k_pools[0], table, seq_len), k)
-    q = torch.randn(heads, 3, dim, generator=g)
-    out = paged_attention(q, cache.k_pools[0], cache.v_pools[0], table, seq_len, 0.3)
-    torch.testing.assert_close(out, causal_attention(q, k, v, 0.3))
-
-
-def _shuffle_free_list(gen: PagedGenerator, seed: int):
-    blocks = list(gen.block_manager.free_block_ids)
-    random.Random(seed).shuffle(blocks)
-    gen.block_manager.free_block_ids.clear()
-    gen.block_manager.free_block_ids.extend(blocks)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_sequences_joining_at_different_steps_equal_generate_alone(family):
-    model = make_tiny_model(family)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(1, 97) for _ in range(rng.randint(1, 12))] for _ in range(4)]
-    lengths = [rng.randint(1, 20) for _ in prompts]
-    gen = PagedGenerator(model, num_blocks=40, block_size=4)
-    _shuffle_free_list(gen, 1)
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        gen.add_request(p, n, arrival_step=2 * i)
-    outputs = gen.run()
-    for p, n, out in zip(prompts, lengths, outputs):
-        assert out == reference_generate(model, p, n)
-    assert gen.block_manager.num_free_blocks == 40, "finished sequences return every block"
-
-
-def test_embedded_model_on_the_paged_cache_equals_generate(embedded):
-    model, tokenizer = embedded
-    texts = ["ROMEO:\n", "KING HENRY:\nOnce more unto", "First Citizen:\nWe are accounted poor citizens"]
-    lengths = [50, 23, 37]
-    gen = PagedGenerator(model, num_blocks=64, block_size=16)
-    _shuffle_free_list(gen, 2)
-    for i, (t, n) in enumerate(zip(texts, lengths)):
-        gen.add_request(tokenizer(t)["input_ids"], n, arrival_step=5 * i)
-    for t, n, out in zip(texts, lengths, gen.run()):
-        assert out == reference_generate(model, tokenizer(t)["input_ids"], n), t
-
-
-def test_a_step_that_cannot_get_its_blocks_raises_before_touching_the_pool():
-    model = make_tiny_model("llama")
-    gen = PagedGenerator(model, num_blocks=3, block_size=2)
-    gen.add_request([1, 2, 3, 4, 5], 4)
-    gen.add_request([6, 7], 2)
-    before = _state(gen.block_manager)
-    with pytest.raises(MemoryError, match="needs 4 new blocks"):
-        gen.step()
-    assert _state(gen.block_manager) == before
