@@ -14,5 +14,6 @@ if ! "$PY" -c "import torch, triton, transformers, ipywidgets" 2>/dev/null; then
 fi
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'; print(torch.cuda.get_device_name())"
-"$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/kernels/test_paged_attention_kernel.py tests/kernels/test_engine_kernel.py
+"$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/kernels/test_paged_attention_kernel.py tests/kernels/test_engine_kernel.py \
+    tests/engine/test_kv_cache_dtype.py
 "$PY" benchmarks/paged_attention_gpu.py --quick "$@"

@@ -26,6 +26,21 @@ def test_engine_on_gpu_equals_generate():
         assert out.outputs[0].token_ids == ref, f"{prompt!r}: the GPU engine differs from generate"
 
 
+def test_int8_engine_on_gpu_reads_8_bit_pools_through_the_kernel_and_equals_generate():
+    from kvlab import LLM, SamplingParams, load_model
+    from kvlab.baselines.transformers_generate import reference_generate
+
+    model, tokenizer = load_model(device="cuda")
+    llm = LLM(model, tokenizer, block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+              kv_cache_dtype="int8")
+    cache = llm.llm_engine.cache
+    assert cache.decode_backend == "triton" and cache.k_pools[0].dtype == torch.int8
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ref = reference_generate(model, tokenizer(prompt)["input_ids"], 48)
+        assert out.outputs[0].token_ids == ref, f"{prompt!r}: the int8 GPU engine differs from generate"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_kernel_long_context_on_gpu(dtype, block_size):
