@@ -145,3 +145,19 @@ def test_the_checker_sees_a_planted_upward_import():
     assert not allowed("kvlab.engine.llm_engine", "kvlab.widgets.block_map")
     assert not allowed("kvlab.kernels.reference", "kvlab.cache.quantized_cache")
     assert allowed("kvlab.engine.llm_engine", "kvlab.core.kv_cache_manager")
+
+
+@pytest.mark.parametrize("module,absent", [
+    ("kvlab.core.kv_cache_manager", ("torch", "numpy", "transformers")),
+    ("kvlab.analysis.memory_sim", ("torch", "transformers")),
+    ("kvlab.quantization", ("transformers", "triton")),
+    ("kvlab.kernels", ("transformers", "kvlab.cache", "kvlab.engine", "kvlab.model")),
+])
+def test_importing_a_layer_loads_nothing_above_it(module, absent):
+    """The same rule at run time, in a fresh interpreter: what a module pulls in, transitively."""
+    import subprocess
+
+    code = f"import sys, {module}; print(' '.join(m for m in {absent!r} if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not run.stdout.strip(), f"importing {module} also imported {run.stdout.strip()}"
