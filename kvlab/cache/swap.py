@@ -30,7 +30,7 @@ class SwapSpace:
                        for t in device_tensors]
         self.num_blocks = num_cpu_blocks
         # Which CPU blocks are free is Chapter 4's BlockPool (without prefix caching), not a second free list:
-        # blocks come from the front of its queue and freed ones go to the back.
+        # blocks come from the front of its queue, and freed ones (never hashed) go back to the front.
         self.block_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False) if num_cpu_blocks else None
         self.blocks_swapped_out = 0
         self.blocks_swapped_in = 0

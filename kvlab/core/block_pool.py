@@ -6,10 +6,20 @@ A block is in exactly one of three states:
 * free and cached: ref_cnt == 0 but it still holds the K/V of a full block, findable by its hash;
 * free and empty: ref_cnt == 0 and no hash.
 
-Free blocks (cached or not) wait in one queue ordered by when they were freed. A new block is taken
-from the front, so the block freed longest ago is reused (and its cached contents evicted) first:
-LRU eviction without any timestamps. A cache hit on a free block takes it out of the middle of the
-queue, which is why the queue is a doubly linked list rather than a deque.
+Free blocks (cached or not) wait in one queue, and a new block is always taken from its front. Where
+a freed block joins the queue depends on whether it is cached, as in vLLM V1's BlockPool.free_blocks:
+
+* a freed block with a hash goes to the BACK, so cached blocks are reused (and their contents
+  evicted) in the order they were freed, the block freed longest ago first: LRU eviction without
+  any timestamps;
+* a freed block without a hash (a request's partly filled last block, or any block when prefix
+  caching is off) goes to the FRONT: it can never be a cache hit, so reusing it first costs nothing,
+  and a new request never evicts a cached block while an uncached free block exists.
+
+The blocks one free_blocks call sends to the front keep the order they were given in (a request
+frees its blocks last block first), ahead of every block already free. A cache hit on a free block
+takes it out of the middle of the queue, which is why the queue is a doubly linked list rather than
+a deque.
 
 PooledBlockManager is the part of the block-manager vocabulary (kvlab.core.paging.BaseBlockManager)
 that every manager on a BlockPool shares: Chapter 4's KVCacheManager and Chapter 5's CowBlockManager.
@@ -40,7 +50,7 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """The free blocks in eviction order, as a doubly linked list: O(1) popleft, append and remove."""
+    """The free blocks in eviction order, as a doubly linked list: O(1) popleft, append, prepend and remove."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()):
         # Two sentinels spare every operation the "is this the first/last block?" special cases.
@@ -78,6 +88,22 @@ class FreeKVCacheBlockQueue:
         last.next_free_block = block
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
+
+    def prepend(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put blocks at the front in the given order (the first is reused next), ahead of every block already free."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            if block.prev_free_block is not None or block.next_free_block is not None or id(block) in seen:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            seen.add(id(block))
+        # Insert from the last block to the first, each right after the head sentinel.
+        for block in reversed(blocks):
+            first = self._head.next_free_block
+            block.prev_free_block, block.next_free_block = self._head, first
+            first.prev_free_block = block
+            self._head.next_free_block = block
+            self.num_free_blocks += 1
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a cache hit on a free block)."""
@@ -149,8 +175,12 @@ class BlockPool:
                 raise ValueError(f"{block!r} does not belong to this pool of {self.num_blocks} blocks")
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; blocks nobody holds go to the back of the free queue, in the given
-        order."""
+        """Drop one reference to each block; blocks nobody holds now become free.
+
+        Of those, blocks without a hash go to the front of the free queue (reused first: they hold no
+        cached K/V) and cached blocks to the back (evicted last, least recently freed first); each
+        group keeps the order given, so callers pass blocks in the order they should be reused.
+        """
         blocks = list(blocks)
         self._check_owned(blocks)
         # A block may appear twice in one call: it needs that many references left.
@@ -160,10 +190,14 @@ class BlockPool:
             if counts[block.block_id] > block.ref_cnt:
                 raise ValueError(f"double free: block {block.block_id} has ref_cnt {block.ref_cnt}, "
                                  f"freed {counts[block.block_id]} times")
+        uncached, cached = [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                (uncached if block.block_hash is None else cached).append(block)
+        self.free_block_queue.prepend(uncached)
+        for block in cached:
+            self.free_block_queue.append(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each block (a cache hit); a free cached block leaves the free queue."""
@@ -211,7 +245,9 @@ class PooledBlockManager(BaseBlockManager):
     Holds what KVCacheManager and CowBlockManager share: the pool, each running request's blocks
     (`req_to_blocks`) and token count (`num_tokens`), the queries, and free(), which drops the
     request's reference to each of its blocks, last block first, so that a request's tail (the
-    block least likely to be shared) goes to the free queue ahead of its prefix.
+    block least likely to be shared) is reused before its prefix: its cached blocks join the back
+    of the free queue tail first, and its uncached blocks (with prefix caching on, usually only the
+    partly filled last one) go to the front.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):

@@ -2,13 +2,24 @@
 
 Because each hash folds in the parent's, equal hashes mean equal whole prefixes, not only equal
 blocks: "to be or" after "ROMEO:" and after "JULIET:" get different hashes, since the K/V of a token
-depend on every token before it. Extra keys (a LoRA adapter's name, an image's id) separate
-requests whose token ids agree but whose K/V do not.
+depend on every token before it. Extra keys separate requests whose token ids agree but whose K/V
+(or whose right to see them) do not. vLLM V1 builds them from the LoRA adapter's name, the
+multimodal inputs a block covers (each item's hash and offset), a hash of prompt embeddings, and a
+request's `cache_salt` (first block only, which by the chain separates every later block too); kvlab
+takes whatever hashable value the caller passes.
 
 The hash is SHA-256 over a pickle of (parent hash, token ids, extra keys), kept as 32 bytes. Python's
 built-in hash() would be faster but is only 64 bits (a collision would silently serve another
-prompt's K/V) and salts strings differently in every process (PYTHONHASHSEED), so two processes could
-not agree on a block's name.
+prompt's K/V), and it is salted per process for str and bytes (PYTHONHASHSEED): a tuple of ints
+hashes the same in every process, but a LoRA name or cache salt among the extra keys would not.
+
+The first block's parent: vLLM does not use None but NONE_HASH, 32 random bytes drawn at start-up
+(os.urandom; its source says: against hash collisions, as Python salts its own hash()), or the hash
+of PYTHONHASHSEED when that is set, so that processes can share the seed: processes that must agree
+on block hashes (the prefill and decode instances of a disaggregated set-up, a router reading
+KV-cache events) need the same PYTHONHASHSEED. kvlab keeps a fixed seed, the parent None, so that a
+block's hash is the same in every process and every run: tests can pin a digest and notebooks show
+the same hashes each time. (vLLM's cache_salt, for isolating tenants, has no counterpart here.)
 """
 
 import hashlib
@@ -20,7 +31,7 @@ BlockHash = bytes
 
 def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int],
                       extra_keys: Hashable | None = None) -> BlockHash:
-    """The hash of one full block given its parent's hash (None for the first block)."""
+    """The hash of one full block given its parent's hash (None for the first block: kvlab's fixed seed)."""
     key = (parent_block_hash, tuple(int(t) for t in token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
 

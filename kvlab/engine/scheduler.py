@@ -130,8 +130,8 @@ class Scheduler:
             [(r.request_id, freed) for r, freed in zip(running, self._blocks_freed_by_preemption())],
             self.kv.num_free_blocks,
             {r.request_id: self.kv.num_blocks_to_allocate(r.request_id, n) for r, n in zip(running, shares)})
-        # Every victim goes before anyone allocates: a victim's blocks join the back of the free queue and
-        # allocation takes from its front, so each request gets the blocks it would in a walk that interleaves them.
+        # Every victim goes before anyone allocates, so the room choose_preemption_victims counted is free
+        # when the requests the budget reached take their blocks.
         by_id = {r.request_id: r for r in running}
         for request_id in victims:
             self.running.remove(by_id[request_id])

@@ -124,6 +124,36 @@ def test_evicted_block_is_a_miss_and_tail_goes_first():
     assert manager.get_computed_blocks("c", [1, 2, 3, 4, 5, 6, 0]) == ([], 0)
 
 
+def test_freed_partial_blocks_are_reused_before_free_cached_ones():
+    # vLLM's test_prefill at block size 4: two requests share 3 cached blocks and end in a partly
+    # filled block each. After both finish, the partial blocks (no hash) are at the front, newest
+    # first, then the never-used blocks, then the shared prefix tail first. Under the old rule
+    # (every freed block to the back) the queue was [5, 6, 7, 8, 9, 3, 4, 2, 1, 0].
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    common = [1] * 4 + [2] * 4 + [3] * 4
+    assert _admit(manager, "a", common + [4, 4, 4]) == 0
+    assert _admit(manager, "b", common + [5]) == 12
+    assert manager.block_tables == {"a": [0, 1, 2, 3], "b": [0, 1, 2, 4]}
+    manager.free("a")
+    manager.free("b")
+    assert manager.block_pool.free_block_queue.block_ids() == [4, 3, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert _admit(manager, "c", common + [6, 6]) == 12 and manager.block_tables["c"] == [0, 1, 2, 4], \
+        "the hit takes the cached prefix; the new partial block is the partial block freed last"
+    manager.free("c")
+    assert _admit(manager, "d", [9] * 40) == 0
+    assert manager.block_tables["d"] == [4, 3, 5, 6, 7, 8, 9, 2, 1, 0], \
+        "a cache miss uses every uncached free block before it evicts a cached one, then the prefix tail first"
+
+
+def test_a_new_request_does_not_evict_a_cached_prefix_while_uncached_blocks_are_free():
+    manager = KVCacheManager(num_blocks=4, block_size=2)
+    _admit(manager, "a", [1, 2, 3])            # block 0 caches [1, 2]; block 1 holds [3]
+    manager.free("a")                          # queue: 1 (uncached, front), 2, 3, 0 (cached, back)
+    _admit(manager, "b", [7, 8, 9, 9, 9])      # 3 blocks: 1, 2 and 3, all uncached
+    assert manager.block_tables["b"] == [1, 2, 3] and manager.block_pool.num_evictions == 0
+    assert manager.get_computed_blocks("c", [1, 2, 5])[1] == 2, "a's prefix block survived b's admission"
+
+
 def test_stale_hits_are_rejected():
     manager = KVCacheManager(num_blocks=2, block_size=2)
     _admit(manager, "a", [1, 2, 3])

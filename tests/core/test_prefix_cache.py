@@ -57,3 +57,13 @@ def test_another_process_with_another_hash_seed_computes_the_same_hashes():
                              capture_output=True, text=True, check=True).stdout.split()
         assert out == [FIRST_BLOCK_1234, FIRST_BLOCK_1234_LORA_A], \
             f"PYTHONHASHSEED={seed} changed a block hash: two processes would disagree on a block's name"
+
+
+def test_python_salts_the_hash_of_strings_not_of_tuples_of_ints():
+    # What the chapter says about Python's hash(): PYTHONHASHSEED changes hash("lora-a") but not
+    # hash((1, 2, 3, 4)). kvlab's SHA-256 avoids both the salting and hash()'s 64 bits.
+    code = "print(hash((1, 2, 3, 4)), hash('lora-a'))"
+    outs = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, check=True).stdout.split() for seed in ("1", "2")]
+    assert outs[0][0] == outs[1][0], "a tuple of ints hashes the same under every PYTHONHASHSEED"
+    assert outs[0][1] != outs[1][1], "a str's hash depends on PYTHONHASHSEED"
