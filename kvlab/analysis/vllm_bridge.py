@@ -4,13 +4,20 @@ vLLM reserves its whole KV block pool once, at start-up. It loads the weights, r
 pass of the largest batch it will schedule to measure the activation peak, and gives what is left
 of its share of the GPU to blocks:
 
-    available  = gpu_memory * gpu_memory_utilization - weights - peak activations - other (non-torch) memory
+    available  = gpu_memory * gpu_memory_utilization - weights - peak activations
+                 - memory outside torch's allocator (CUDA context, NCCL, ...) - CUDA-graph estimate
     block      = block_size * (K and V bytes of one token, all layers)
     num_blocks = floor(available / block)
 
-Two start-up errors follow from it, and both are about this arithmetic, not about a bug:
-nothing is left for blocks at all, or the blocks cannot hold one sequence of max_model_len tokens.
-`vllm_num_kv_blocks` does the arithmetic and `check_vllm_startup` raises those two errors with the
+(The CUDA-graph term is newer V1's estimate of the memory its captured graphs take. With
+`kv_cache_memory_bytes` set, vLLM sizes the cache from that many bytes and ignores
+gpu_memory_utilization for it, as kvlab's `kv_cache_memory` gives the pool a byte budget.)
+
+Three start-up errors follow, and all three are about memory, not about a bug: the GPU has less
+free memory than gpu_memory_utilization x its total (another process holds some), nothing is left
+for blocks at all, or the blocks cannot hold one sequence of max_model_len tokens (unless
+`--max-model-len auto`, i.e. -1, which lets vLLM shrink the length to what fits).
+`vllm_num_kv_blocks` does the arithmetic and `check_vllm_startup` raises those three errors with the
 reason spelled out. The weights default to an estimate from the config (parameters x dtype bytes);
 vLLM measures them instead, and its activation peak comes from profiling, so both are inputs here.
 """
@@ -42,11 +49,15 @@ KNOBS = [
     Knob("block_size", "block_size", "16",
          "Tokens per KV block. Larger blocks mean fewer block-table entries and longer contiguous reads, "
          "but more unused slots in each sequence's last block. vLLM's CUDA kernels accepted 8, 16 and 32."),
-    Knob("num_blocks or kv_cache_memory", "gpu_memory_utilization", "0.9 (0.92 in 0.33)",
+    Knob("num_blocks or kv_cache_memory", "gpu_memory_utilization", "0.92 (0.9 in older releases such as 0.11)",
          "How big the block pool is. kvlab is told how many blocks to allocate, or a byte budget for them; "
-         "vLLM is told what fraction of the GPU it may use in all, "
-         "and the part not taken by weights and the profiled activation peak becomes blocks "
-         "(num_gpu_blocks_override sets the count directly)."),
+         "vLLM is told what fraction of the GPU's total memory it may use in all, "
+         "and the part not taken by weights, the profiled activation peak, memory outside torch and "
+         "(newer V1) the CUDA-graph estimate becomes blocks (num_gpu_blocks_override sets the count directly). "
+         "vLLM refuses to start if less than that fraction of the GPU is free."),
+    Knob("kv_cache_memory", "kv_cache_memory_bytes", "None (sized from gpu_memory_utilization)",
+         "A byte budget for the KV cache of each GPU, like kvlab's kv_cache_memory; when it is set, vLLM "
+         "ignores gpu_memory_utilization for the cache size."),
     Knob("enable_prefix_caching", "enable_prefix_caching", "on in V1, off in V0",
          "Reuse full blocks whose token prefix was already computed, found by a chain of block hashes; "
          "freed blocks stay reusable until they are evicted in LRU order."),
@@ -58,13 +69,17 @@ KNOBS = [
     Knob("preemption_mode (and num_cpu_blocks for swap)", "preemption_mode and swap_space (V0 only)",
          "V1: recompute, with no knob",
          'What happens to a running request when the pool runs out of blocks: "recompute" frees its blocks '
-         'and recomputes its tokens later (V1\'s only way); "swap" copies them to CPU memory (V0, swap_space GiB).'),
+         'and recomputes its tokens later (V1\'s only way); "swap" copies them to CPU memory (V0, swap_space GiB). '
+         'V1 logs no warning when it preempts: it counts preemptions (the Prometheus counter vllm:num_preemptions, '
+         'and a "Preemptions: N" figure in its periodic stats line); V0 warned on the first and every 50th.'),
     Knob("max_model_len", "max_model_len", "the model config's context length",
          "The longest prompt plus output of one request. Longer prompts are rejected, and start-up fails "
-         "if the pool cannot hold one sequence this long."),
+         "if the pool cannot hold one sequence this long; \"auto\" (or -1) makes vLLM shrink it to what fits."),
     Knob("kv_cache_dtype", "kv_cache_dtype", "auto (the model's dtype)",
          "The storage dtype of K and V. vLLM offers fp8 (fp8_e4m3, fp8_e5m2) with per-layer scales, "
-         "about twice the tokens of fp16. kvlab's engine and LLM take \"auto\", \"int8\" or \"fp8_e4m3\" (\"fp8\"), "
+         "about twice the tokens of fp16, and (since 2026) KV caches with a scale per token and head: "
+         "int8_per_token_head, fp8_per_token_head and int4_per_token_head, besides nvfp4. "
+         "kvlab's engine and LLM take \"auto\", \"int8\" or \"fp8_e4m3\" (\"fp8\"), "
          "with a scale per (block, KV head), so the same kv_cache_memory holds about twice the blocks of fp16."),
 ]
 
@@ -145,6 +160,9 @@ def estimate_weights_bytes(config, dtype: str | None = None) -> int:
 # How many blocks.
 
 VLLM_FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's KV dtypes with a scale per token and KV head, and NVIDIA's fp4: real vLLM options whose
+# scale bytes this estimate does not model, so the bridge refuses to size them.
+VLLM_SCALED_KV_NAMES = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "nvfp4")
 
 
 def _kv_dtype_name(config, kv_cache_dtype, dtype) -> str:
@@ -158,10 +176,19 @@ def _kv_dtype_name(config, kv_cache_dtype, dtype) -> str:
     name = str(kv_cache_dtype).removeprefix("torch.")
     if name in DTYPE_BYTES and name not in ("int8", "fp8", "float8_e4m3fn", "float8_e5m2"):
         return name
+    if name in VLLM_SCALED_KV_NAMES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is a vLLM option, but its scales (per token and KV head, or "
+            f"per 16 values for nvfp4) are not modelled by this estimate; it sizes 'auto', "
+            f"{', '.join(map(repr, VLLM_FP8_NAMES))} and float dtypes such as 'float16'"
+        )
+    hint = ""
+    if name == "int8":
+        hint = (" (vLLM spells its int8 KV cache 'int8_per_token_head'; kvlab's own engine takes "
+                "kv_cache_dtype='int8', see kvlab.cache.quantized_cache)")
     raise ValueError(
-        f"unsupported kv_cache_dtype {kv_cache_dtype!r} for vLLM; use 'auto', {', '.join(map(repr, VLLM_FP8_NAMES))} "
-        f"or a float dtype such as 'float16' "
-        f"(vLLM has no int8 KV cache; kvlab's int8 is in kvlab.cache.quantized_cache)"
+        f"unsupported kv_cache_dtype {kv_cache_dtype!r} for vLLM's block arithmetic; use 'auto', "
+        f"{', '.join(map(repr, VLLM_FP8_NAMES))} or a float dtype such as 'float16'{hint}"
     )
 
 
@@ -175,6 +202,7 @@ class KVBlockBudget:
     weights_bytes: int
     activation_peak_bytes: int
     other_bytes: int             # memory outside torch's allocator (CUDA context, NCCL, ...)
+    cuda_graph_bytes: int        # newer V1's estimate of the memory its CUDA graphs take
     available_bytes: int         # left for KV blocks; <= 0 means vLLM cannot start
     block_size: int
     bytes_per_token: int         # K and V of one token across all layers
@@ -186,13 +214,15 @@ class KVBlockBudget:
     max_full_sequences: int      # sequences of max_model_len tokens that fit at once
 
 
-def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, weights_bytes=None,
+def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.92, weights_bytes=None,
                        activation_peak_bytes=0, block_size=16, kv_cache_dtype=None, other_bytes=0,
-                       max_model_len=None, dtype=None) -> KVBlockBudget:
+                       max_model_len=None, dtype=None, cuda_graph_bytes=0) -> KVBlockBudget:
     """How many KV blocks vLLM would allocate for `config` on one GPU of gpu_memory_bytes.
 
     weights_bytes defaults to an estimate (estimate_weights_bytes); dtype is the weights' dtype and
-    kv_cache_dtype=None/'auto' stores K/V in it (default: the config's dtype).
+    kv_cache_dtype=None/'auto' stores K/V in it (default: the config's dtype). other_bytes is memory
+    outside torch's allocator, cuda_graph_bytes the CUDA-graph estimate; both are subtracted.
+    gpu_memory_utilization defaults to current vLLM's 0.92 (older releases such as 0.11: 0.9).
     """
     cfg = config_dict(config)
     check_number("gpu_memory_bytes", gpu_memory_bytes, allow_zero=False, what="number of bytes")
@@ -209,6 +239,7 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     check_number("weights_bytes", weights_bytes, what="number of bytes")
     check_number("activation_peak_bytes", activation_peak_bytes, what="number of bytes")
     check_number("other_bytes", other_bytes, what="number of bytes")
+    check_number("cuda_graph_bytes", cuda_graph_bytes, what="number of bytes")
     if max_model_len is None:
         max_model_len = int(cfg["max_position_embeddings"])
     if not is_integer(max_model_len) or max_model_len < 1:
@@ -217,31 +248,54 @@ def vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization=0.9, wei
     per_token = kv_cache_bytes_per_token(cfg, _kv_dtype_name(cfg, kv_cache_dtype, dtype))  # all layers, K and V
     block = block_size * per_token
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
-    available = int(usable - weights_bytes - activation_peak_bytes - other_bytes)
+    available = int(usable - weights_bytes - activation_peak_bytes - other_bytes - cuda_graph_bytes)
     num_blocks = max(available, 0) // block
     max_tokens = num_blocks * block_size
     blocks_per_seq = num_blocks_needed(max_model_len, block_size)
     return KVBlockBudget(
         gpu_memory_bytes=int(gpu_memory_bytes), gpu_memory_utilization=float(gpu_memory_utilization),
         usable_bytes=usable, weights_bytes=int(weights_bytes), activation_peak_bytes=int(activation_peak_bytes),
-        other_bytes=int(other_bytes), available_bytes=available, block_size=block_size, bytes_per_token=per_token,
+        other_bytes=int(other_bytes), cuda_graph_bytes=int(cuda_graph_bytes), available_bytes=available,
+        block_size=block_size, bytes_per_token=per_token,
         block_bytes=block, num_blocks=num_blocks, max_tokens=max_tokens, max_model_len=max_model_len,
         max_concurrency=max_tokens / max_model_len, max_full_sequences=num_blocks // blocks_per_seq,
     )
 
 
-def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.9, max_model_len=None,
-                       **kwargs) -> KVBlockBudget:
-    """vllm_num_kv_blocks, raising ValueError where vLLM refuses to start (no room for blocks, or not one
-    full-length sequence)."""
+def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.92, max_model_len=None,
+                       free_memory_bytes=None, **kwargs) -> KVBlockBudget:
+    """vllm_num_kv_blocks, raising ValueError where vLLM refuses to start, in the order vLLM checks:
+
+    1. free_memory_bytes (what the GPU has free at start-up; None skips this check) is less than
+       gpu_memory_utilization x gpu_memory_bytes, the share vLLM was told it may use;
+    2. nothing is left for KV blocks;
+    3. the blocks cannot hold one sequence of max_model_len tokens.
+    """
     b = vllm_num_kv_blocks(config, gpu_memory_bytes, gpu_memory_utilization, max_model_len=max_model_len, **kwargs)
+    if free_memory_bytes is not None:
+        check_number("free_memory_bytes", free_memory_bytes, what="number of bytes")
+        if free_memory_bytes > gpu_memory_bytes:
+            raise ValueError(
+                f"free_memory_bytes ({free_memory_bytes / GiB:.2f} GiB) cannot exceed gpu_memory_bytes "
+                f"({gpu_memory_bytes / GiB:.2f} GiB)"
+            )
+        if free_memory_bytes < b.usable_bytes:
+            raise ValueError(
+                f"Free memory on device ({free_memory_bytes / GiB:.2f}/{b.gpu_memory_bytes / GiB:.2f} GiB) at "
+                f"start-up is less than desired GPU memory utilization ({b.gpu_memory_utilization}, "
+                f"{b.usable_bytes / GiB:.2f} GiB): gpu_memory_utilization is a share of the GPU's total memory, "
+                f"and other processes hold {(b.gpu_memory_bytes - free_memory_bytes) / GiB:.2f} GiB of it. "
+                f"Lower gpu_memory_utilization to at most {free_memory_bytes / b.gpu_memory_bytes:.3f}, or free "
+                f"the memory the other processes use."
+            )
     if b.available_bytes <= 0:
         raise ValueError(
             f"No available memory for the KV cache blocks: of the {b.usable_bytes / GiB:.2f} GiB vLLM may use "
             f"(gpu_memory_utilization {b.gpu_memory_utilization} x {b.gpu_memory_bytes / GiB:.2f} GiB), the weights "
             f"({b.weights_bytes / GiB:.2f} GiB), the profiled activation peak "
-            f"({b.activation_peak_bytes / GiB:.2f} GiB) "
-            f"and other memory ({b.other_bytes / GiB:.2f} GiB) leave {b.available_bytes / GiB:.2f} GiB. "
+            f"({b.activation_peak_bytes / GiB:.2f} GiB), memory outside torch ({b.other_bytes / GiB:.2f} GiB) "
+            f"and the CUDA-graph estimate ({b.cuda_graph_bytes / GiB:.2f} GiB) "
+            f"leave {b.available_bytes / GiB:.2f} GiB. "
             f"Try increasing gpu_memory_utilization, or make room: a smaller or quantized model, tensor "
             f"parallelism over more GPUs, or a smaller max_num_batched_tokens (a lower activation peak)."
         )
@@ -250,6 +304,7 @@ def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.9, max
             f"max_model_len is {b.max_model_len} tokens, but the KV cache can store at most {b.max_tokens} "
             f"({b.num_blocks} blocks of {b.block_size} in {b.available_bytes / GiB:.2f} GiB): one request of the "
             f"model's max seq len could never be scheduled, so vLLM refuses to start. Try increasing "
-            f"gpu_memory_utilization or decreasing max_model_len to at most {b.max_tokens}."
+            f"gpu_memory_utilization or decreasing max_model_len to at most {b.max_tokens} "
+            f"(max_model_len 'auto', or -1, lets vLLM pick the largest length that fits)."
         )
     return b

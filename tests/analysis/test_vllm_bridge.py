@@ -1,4 +1,4 @@
-"""Chapter 8: kvlab's knobs under vLLM's names, vLLM's block-count arithmetic and its two start-up errors."""
+"""Chapter 8: kvlab's knobs under vLLM's names, vLLM's block-count arithmetic and its three start-up errors."""
 
 import math
 
@@ -27,8 +27,14 @@ def test_knob_table_maps_every_knob_the_course_teaches():
                  "max_num_batched_tokens", "max_model_len", "kv_cache_dtype"):
         assert name in by_vllm, f"no row maps to vLLM's {name}"
     assert by_vllm["gpu_memory_utilization"].kvlab.startswith("num_blocks")
+    assert by_vllm["gpu_memory_utilization"].vllm_default.startswith("0.92")  # current vLLM; 0.9 in 0.11
+    assert by_vllm["kv_cache_memory_bytes"].kvlab == "kv_cache_memory"
+    assert "ignores gpu_memory_utilization" in by_vllm["kv_cache_memory_bytes"].meaning
+    assert "int8_per_token_head" in by_vllm["kv_cache_dtype"].meaning and "nvfp4" in by_vllm["kv_cache_dtype"].meaning
+    assert "no int8" not in knobs_table()
     preemption = next(k for k in KNOBS if k.kvlab.startswith("preemption_mode"))
     assert "swap_space" in preemption.vllm and "V1: recompute" in preemption.vllm_default
+    assert "vllm:num_preemptions" in preemption.meaning and "logs no warning" in preemption.meaning
     assert all(k.meaning.endswith(".") for k in KNOBS)
     markdown = knobs_table()
     assert markdown.count("\n") == len(KNOBS) + 1 and "| `block_size` | `block_size` | 16 |" in markdown
@@ -141,7 +147,46 @@ def test_block_count_agrees_with_a_real_vllm_startup_log():
     assert f"at most {budget.max_tokens}" in str(error.value)
 
 
-# --- the two start-up errors -----------------------------------------------------------------
+# --- the three start-up errors ---------------------------------------------------------------
+
+def test_free_memory_below_the_requested_utilization():
+    """vLLM's most common start-up error: another process holds memory, so less than utilization x total is free."""
+    config = load_model_config("llama-3-8b")
+    # 80 GiB GPU at 0.92 asks for 73.6 GiB; with 70 GiB free (10 GiB held elsewhere) it refuses.
+    with pytest.raises(ValueError, match="is less than desired GPU memory utilization") as error:
+        check_vllm_startup(config, 80 * GiB, 0.92, free_memory_bytes=70 * GiB)
+    message = str(error.value)
+    assert "(70.00/80.00 GiB)" in message and "(0.92, 73.60 GiB)" in message
+    assert "other processes hold 10.00 GiB" in message and "at most 0.875" in message
+    # The same free memory is enough at 0.875 (70 GiB exactly), and None skips the check.
+    ok = check_vllm_startup(config, 80 * GiB, 0.875, free_memory_bytes=70 * GiB)
+    assert ok.usable_bytes == 70 * GiB and ok.num_blocks > 0
+    assert check_vllm_startup(config, 80 * GiB, 0.92).num_blocks == vllm_num_kv_blocks(config, 80 * GiB).num_blocks
+    # It is checked first: on a 16 GiB GPU with little free, the free-memory error wins over "no memory left".
+    with pytest.raises(ValueError, match="Free memory on device"):
+        check_vllm_startup(config, 16 * GiB, 0.9, free_memory_bytes=4 * GiB)
+    for bad, match in [(-1, "free_memory_bytes must be non-negative"), (81 * GiB, "cannot exceed gpu_memory_bytes"),
+                       (math.nan, "finite number")]:
+        with pytest.raises(ValueError, match=match):
+            check_vllm_startup(config, 80 * GiB, 0.92, free_memory_bytes=bad)
+
+
+def test_default_utilization_is_current_vllms():
+    """0.92 by default (current vLLM); older releases such as 0.11 used 0.9."""
+    config = load_model_config("llama-3-8b")
+    assert vllm_num_kv_blocks(config, 80 * GiB).gpu_memory_utilization == 0.92
+    assert check_vllm_startup(config, 80 * GiB).usable_bytes == int(80 * GiB * 0.92)
+
+
+def test_non_torch_memory_and_the_cuda_graph_estimate_are_subtracted():
+    config = load_model_config("llama-3-8b")
+    base = vllm_num_kv_blocks(config, 80 * GiB, 0.9, weights_bytes=16 * GiB)
+    less = vllm_num_kv_blocks(config, 80 * GiB, 0.9, weights_bytes=16 * GiB, other_bytes=GiB, cuda_graph_bytes=GiB)
+    assert less.available_bytes == base.available_bytes - 2 * GiB and less.cuda_graph_bytes == GiB
+    assert less.num_blocks == base.num_blocks - 2 * GiB // less.block_bytes
+    with pytest.raises(ValueError, match="CUDA-graph estimate"):
+        check_vllm_startup(config, 20 * GiB, 0.9, weights_bytes=16 * GiB, cuda_graph_bytes=2 * GiB)
+
 
 def test_no_memory_left_for_blocks():
     """Llama-3-8B's 15 GiB of weights on a 16 GiB GPU at 0.9 (14.4 GiB): nothing is left for blocks."""
@@ -167,7 +212,7 @@ def test_max_model_len_larger_than_the_pool():
         check_vllm_startup(config, 24 * GiB, 0.9, max_model_len=capacity + 1)
     message = str(error.value)
     assert "Try increasing gpu_memory_utilization or decreasing max_model_len" in message
-    assert f"at most {capacity}." in message
+    assert f"at most {capacity} " in message and "max_model_len 'auto', or -1" in message
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -184,13 +229,18 @@ def test_max_model_len_larger_than_the_pool():
     (dict(weights_bytes=-5), "weights_bytes must be non-negative"),
     (dict(activation_peak_bytes=-5), "activation_peak_bytes must be non-negative"),
     (dict(other_bytes=-5), "other_bytes must be non-negative"),
+    (dict(cuda_graph_bytes=-5), "cuda_graph_bytes must be non-negative"),
     (dict(block_size=0), "positive power of two"),
     (dict(block_size=12), "positive power of two"),
     (dict(block_size=-16), "positive power of two"),
     (dict(block_size=16.0), "positive power of two"),
     (dict(block_size=True), "positive power of two"),
     (dict(max_model_len=0), "max_model_len must be a positive integer"),
-    (dict(kv_cache_dtype="int8"), "vLLM has no int8 KV cache"),
+    (dict(kv_cache_dtype="int8"), "vLLM spells its int8 KV cache 'int8_per_token_head'"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "is a vLLM option, but its scales"),
+    (dict(kv_cache_dtype="fp8_per_token_head"), "is a vLLM option, but its scales"),
+    (dict(kv_cache_dtype="int4_per_token_head"), "is a vLLM option, but its scales"),
+    (dict(kv_cache_dtype="nvfp4"), "is a vLLM option, but its scales"),
     (dict(kv_cache_dtype="int4"), "unsupported kv_cache_dtype 'int4'"),
 ])
 def test_bad_input_is_rejected(kwargs, message):
