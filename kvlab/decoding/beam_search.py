@@ -16,10 +16,12 @@ that its sequences and scores can be checked against it:
   its current length (at max length for early_stopping="never" with a positive length penalty),
   can no longer beat the worst of k finished hypotheses.
 
-On the cache side, each step's new beams are forked from their parents, then the old beams are
-freed, and only then does each new beam ask for a slot: a parent with a single surviving child
-hands it its last block outright, and only the extra children of a parent copy its partly filled
-last block (copy-on-write). The copies run before the forward pass that writes the new tokens.
+On the cache side, a parent's first child continues the parent's own sequence (it takes over its
+block table), and each further child is a fork: a parent with c surviving children makes c - 1
+forks, and the `forks` counter counts exactly those. The beams that have no child are freed, and
+only then does each beam ask for a slot, the forks first: they copy the parent's partly filled last
+block (copy-on-write, at most c - 1 copies), and the first child then writes into that block in
+place. The copies run before the forward pass that writes the new tokens.
 """
 
 import torch
@@ -166,21 +168,32 @@ class BeamSearch:
         return False
 
     def _decode(self) -> None:
-        # Cache side: fork every surviving beam from its parent, free the old beams, then take slots.
-        k, manager = self.k, self.manager
+        # Cache side, as Chapter 5 teaches: a parent's first child continues the parent's own sequence,
+        # each further child is a fork (c - 1 forks for c children); then the dead beams are freed and
+        # every beam takes a slot for its new token, the forks first so that the continuing parent
+        # writes into its own last block and only the forks copy it.
+        manager = self.manager
         parents = [self.beam_seq[p] for p in self._parents]
-        children = list(range(self.next_id, self.next_id + k))
-        self.next_id += k
-        for parent, child in zip(parents, children):
-            manager.fork(parent, child)
-        self.counters["forks"] += k
-        old_beams = list(dict.fromkeys(self.beam_seq))
-        self.last_dead = len(set(old_beams) - set(parents))
-        self.last_forked = k - len(set(parents))  # children beyond each surviving parent's first
-        for old in old_beams:
+        children, forks = [], []
+        for parent in parents:
+            if parent in children:  # the parent's sequence is already taken by its first child
+                child = self.next_id
+                self.next_id += 1
+                manager.fork(parent, child)
+                forks.append(child)
+            else:
+                child = parent
+            children.append(child)
+        self.last_forked = len(forks)
+        self.counters["forks"] += len(forks)
+        dead = [old for old in dict.fromkeys(self.beam_seq) if old not in children]
+        self.last_dead = len(dead)
+        for old in dead:
             manager.free(old)
-        new_slots = [manager.allocate_slots(child, 1) for child in children]
-        copies = manager.take_copy_orders()  # copy-on-write of the extra children's shared last blocks
+        slots = {child: manager.allocate_slots(child, 1) for child in forks}
+        slots.update({child: manager.allocate_slots(child, 1) for child in children if child not in slots})
+        new_slots = [slots[child] for child in children]
+        copies = manager.take_copy_orders()  # copy-on-write of the forks' shared, partly filled last blocks
         copy_blocks(self.cache, copies)
         self.last_copies = copies
         self.counters["copies"] += len(copies)

@@ -85,3 +85,35 @@ def test_parallel_sampling_reproducible_and_shares_prompt_blocks(tiny):
     assert a.shared_blocks == 2  # the full prompt blocks stay shared
     assert a.copies == 3  # the partly filled prompt block: copied by all but the last writer
     assert a.blocks_with_sharing == 2 + 4 and a.blocks_without_sharing == 4 * 3
+
+
+def test_first_child_continues_its_parent_and_only_extra_children_fork(tiny):
+    from kvlab.decoding.beam_search import BeamSearch
+
+    k = 4
+    search = BeamSearch(tiny, PROMPT, k, 24)
+    search.step()  # the prefill: every beam is sequence 0
+    total, decode_steps = 0, 0
+    while True:
+        before = list(dict.fromkeys(search.beam_seq))
+        search.step()
+        if search.done:
+            break
+        decode_steps += 1
+        after = search.beam_seq
+        continuing = [seq for seq in after if seq in before]
+        assert len(continuing) == len(set(continuing)), "a parent's sequence is continued by one child only"
+        assert all(seq > max(before) for seq in after if seq not in before), "every other child is a new fork"
+        forks = k - len(continuing)  # c - 1 for each parent with c children
+        assert search.last_forked == forks
+        if decode_steps == 1:
+            assert forks == k - 1, "the first step forks the prompt's sequence k - 1 times"
+        total += forks
+    assert search.stats()["forks"] == total
+    assert 0 < total < k * decode_steps, "a child that continues its parent is no fork"
+
+
+def test_forked_search_still_frees_everything_and_keeps_counts(tiny):
+    stats = {}
+    beam_search(tiny, list(range(1, 41)), 4, 24, stats=stats)
+    assert stats["forks"] >= 3 and stats["copies"] <= stats["forks"], "only forks copy a shared last block"

@@ -57,6 +57,18 @@ def test_every_snapshot_matches_the_pool(tiny):
     assert len(finished) == 4 and all(s["block_table"] == [] for s in finished)
 
 
+def test_fork_counters_agree_with_the_search(tiny):
+    search = BeamSearch(tiny, PROMPT, 4, 24, block_size=4)
+    snaps = run_all(search)
+    per_step = [snap["counters"]["extra"]["forks"] for snap in snaps]
+    assert sum(per_step) == search.stats()["forks"], "the block map's forks add up to the search's counter"
+    assert per_step[2] == 3, "the first beam step: one child continues the prompt's sequence, 3 are forks"
+    for after in snaps[2:-1]:
+        beams = len(after["sequences"])
+        assert after["counters"]["extra"]["forks"] <= beams - 1, "a parent's first child is no fork"
+        assert after["counters"]["extra"]["copy-on-write copies"] <= after["counters"]["extra"]["forks"]
+
+
 def test_beams_die(tiny):
     search = BeamSearch(tiny, PROMPT, 4, 12, block_size=4)
     died = []
