@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from kvlab.paths import MODEL_CONFIGS_DIR
+from kvlab.validation import check_int, check_positive_int
 
 # Bytes per element of the dtype names that appear in Hugging Face configs.
 DTYPE_BYTES = {
@@ -81,3 +82,51 @@ def load_model_config(name: str) -> dict:
 def shipped_model_configs() -> list[str]:
     """Names of the real model configs shipped in assets/configs."""
     return sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 8's follow-ups: tensor parallelism, a prompt's K/V in transit, and MLA's latent cache.
+
+def kv_heads_per_gpu(config, tensor_parallel_size: int) -> int:
+    """KV heads each tensor-parallel rank stores: the heads split across ranks, or one replicated head per rank."""
+    tp = check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    kv_heads = kv_shape(config)["num_kv_heads"]
+    # vLLM's QKVParallelLinear divides exactly: kv_heads by tp, or (fewer heads than ranks) tp by kv_heads.
+    if tp >= kv_heads:
+        if tp % kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must be a multiple of the {kv_heads} KV heads to replicate them"
+            )
+        return 1
+    if kv_heads % tp:
+        raise ValueError(f"the {kv_heads} KV heads do not split evenly over tensor_parallel_size {tp}")
+    return kv_heads // tp
+
+
+def kv_head_replicas(config, tensor_parallel_size: int) -> int:
+    """How many tensor-parallel ranks hold a copy of each KV head (1 unless there are more ranks than heads)."""
+    kv_heads_per_gpu(config, tensor_parallel_size)  # validates the split
+    kv_heads = kv_shape(config)["num_kv_heads"]
+    return tensor_parallel_size // kv_heads if tensor_parallel_size >= kv_heads else 1
+
+
+def kv_bytes_per_gpu(config, tensor_parallel_size: int, dtype: str | None = None) -> int:
+    """Bytes of K and V that one token occupies on each tensor-parallel GPU, replicated heads included."""
+    shape = kv_shape(config)
+    heads = kv_heads_per_gpu(config, tensor_parallel_size)
+    return 2 * shape["num_layers"] * heads * shape["head_dim"] * dtype_bytes(config, dtype)
+
+
+def kv_transfer_bytes(config, num_tokens: int, dtype: str | None = None) -> int:
+    """Bytes of K and V a prefill instance hands to a decode instance for a prompt of num_tokens."""
+    return check_int("num_tokens", num_tokens, 0) * kv_cache_bytes_per_token(config, dtype)
+
+
+def mla_kv_bytes_per_token(config, dtype: str | None = None) -> int:
+    """Bytes of one token in an MLA cache (DeepSeek-V2/V3): a kv_lora_rank latent plus the rope key, per layer."""
+    config = config_dict(config)
+    layers = check_positive_int("num_hidden_layers", _field(config, "num_hidden_layers"))
+    rank = check_positive_int("kv_lora_rank", _field(config, "kv_lora_rank"))
+    rope = check_positive_int("qk_rope_head_dim", _field(config, "qk_rope_head_dim"))
+    # No separate K and V: the latent serves as both, so there is no factor 2.
+    return layers * (rank + rope) * dtype_bytes(config, dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvlab.analysis.kv_size import DTYPE_BYTES, config_dict, dtype_bytes, kv_cache_bytes_per_token
 from kvlab.core.paging import num_blocks_needed
-from kvlab.validation import check_number, is_integer
+from kvlab.validation import check_block_size, check_int, check_number, check_positive_int, is_integer
 
 GiB = 1024 ** 3
 
@@ -308,3 +308,19 @@ def check_vllm_startup(config, gpu_memory_bytes, gpu_memory_utilization=0.92, ma
             f"(max_model_len 'auto', or -1, lets vLLM pick the largest length that fits)."
         )
     return b
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding-window layers: the blocks vLLM V1 frees behind the window.
+
+def vllm_sliding_window_blocks(num_computed_tokens, sliding_window, block_size=16) -> int:
+    """Blocks a request still holds in a sliding-window KV-cache group once num_computed_tokens are computed.
+
+    vLLM V1's SlidingWindowManager skips max(0, num_computed_tokens - sliding_window + 1) tokens and
+    frees every whole block among them (remove_skipped_blocks puts the null block in its place).
+    """
+    num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, 0)
+    sliding_window = check_positive_int("sliding_window", sliding_window)
+    block_size = check_block_size(block_size)
+    skipped_blocks = max(0, num_computed_tokens - sliding_window + 1) // block_size
+    return num_blocks_needed(num_computed_tokens, block_size) - skipped_blocks
