@@ -217,22 +217,65 @@ def _counters_html(c: dict) -> str:
             f' style="font:12px monospace;margin:4px 0 8px 0">{_esc(text)}</div>')
 
 
+def _nowrap(*items: str) -> str:
+    # Legend items break between each other, never inside one ("hatched = free but | cached").
+    return " ".join(f'<span class="kvlab-legend-item" style="white-space:nowrap;display:inline-block;'
+                    f'margin-right:8px">{item}</span>' for item in items)
+
+
 def _legend_html(blocks: list[dict], width_px: int) -> str:
     # Only snapshots that use the sharing fields (Chapter 4 on) get this second legend line.
     if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit", "copied")):
         return ""
     swatch = "display:inline-block;width:10px;height:10px;vertical-align:middle;margin:0 2px 0 0;box-sizing:border-box"
     cached = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 2px, #a0a0a0 2px 3px)"
-    return (
-        f'<div class="kvlab-legend" style="font-size:11px;color:#555;margin-top:2px;max-width:{width_px}px">'
+    items = _nowrap(
         f'<span style="{swatch};background:{cached};border:1px dashed #777"></span>'
-        f'hatched = free but cached (reusable K/V)'
-        f' · <span style="font-size:9px;background:#222;color:#fff;border-radius:3px;padding:0 2px">×2</span>'
-        f' = ref count (shared) · <span style="{swatch};outline:{HIT_OUTLINE};outline-offset:1px;margin-left:2px;'
-        f'margin-right:4px"></span>outline = prefix-cache hit in the last step'
-        f' · <span style="{swatch};outline:{COPY_OUTLINE};outline-offset:1px;margin-left:2px;'
-        f'margin-right:4px"></span>dashed red = copy-on-write copy in the last step</div>'
+        f'hatched = free but cached (reusable K/V)',
+        '<span style="font-size:9px;background:#222;color:#fff;border-radius:3px;padding:0 2px">×2</span>'
+        ' = ref count (shared)',
+        f'<span style="{swatch};outline:{HIT_OUTLINE};outline-offset:1px;margin-left:2px;margin-right:4px"></span>'
+        'outline = prefix-cache hit in the last step',
+        f'<span style="{swatch};outline:{COPY_OUTLINE};outline-offset:1px;margin-left:2px;margin-right:4px"></span>'
+        'dashed red = copy-on-write copy in the last step',
     )
+    return (f'<div class="kvlab-legend" style="font-size:11px;line-height:16px;color:#555;margin-top:2px;'
+            f'max-width:{width_px}px">{items}</div>')
+
+
+def _seq_phrase(seq: dict) -> str:
+    status = seq.get("status", "")
+    text = f"seq {seq['id']} {status}"
+    if status == "waiting" and seq.get("arrival_step") is not None:
+        return text + f" (arrives at step {seq['arrival_step']})"
+    table = seq.get("block_table", [])
+    if table:
+        text += f" ({len(table)} block{'s' if len(table) != 1 else ''}, {seq.get('tokens_stored', 0)} tokens)"
+    return text
+
+
+def summary_text(snap: dict | None, title: str = "", error: str | None = None) -> str:
+    """One or two plain lines describing a snapshot: what a static view (no live kernel) shows instead."""
+    head = f"{title}: " if title else ""
+    if snap is None:
+        return f"{head}no engine" + (f" ({error})" if error else "")
+    c = _counters(snap)
+    lines = [f"{head}step {c['step']}, {c['used_blocks']} of {c['num_blocks']} blocks used, {c['free_blocks']} free,"
+             f" {c['tokens_stored']} tokens stored" + (" (done)" if snap.get("done") else "")]
+    seqs = snap.get("sequences", [])
+    if seqs:
+        lines.append("; ".join(_seq_phrase(s) for s in seqs))
+    if error:
+        lines.append(error.splitlines()[0])
+    return "\n".join(lines)
+
+
+def static_html(body: str, text: str) -> str:
+    """A widget's drawing for a static view: the text summary above a snapshot of the HTML."""
+    return (f'<div class="kvlab-static"><div class="kvlab-static-summary" style="font:12px monospace;'
+            f'white-space:pre-wrap;color:#333;margin-bottom:4px">{_esc(text)}</div>'
+            f'<div style="font-size:11px;color:#777;margin-bottom:4px">static snapshot: run the notebook for'
+            f' the live widget (Step, Play, Reset)</div>{body}</div>')
 
 
 def render_html(snap: dict | None, decode: Callable | None = None, title: str = "", error: str | None = None,
@@ -256,8 +299,9 @@ def render_html(snap: dict | None, decode: Callable | None = None, title: str = 
             f'<div><div style="font-size:12px;margin-bottom:3px">'
             f'physical block pool ({size} token slots per block)</div>'
             f'<div class="kvlab-pool" style="display:grid;grid-template-columns:repeat({columns},{CELL_PX}px);gap:3px">'
-            f'{grid}</div><div style="font-size:11px;color:#555;margin-top:3px;max-width:{columns * (CELL_PX + 3)}px">'
-            f'bar height = slots holding tokens · grey = free · hover a block for details</div>'
+            f'{grid}</div><div style="font-size:11px;line-height:16px;color:#555;margin-top:3px;'
+            f'max-width:{columns * (CELL_PX + 3)}px">'
+            f'{_nowrap("bar height = slots holding tokens", "grey = free", "hover a block for details")}</div>'
             f'{_legend_html(blocks, columns * (CELL_PX + 3))}</div>'
             f'<div class="kvlab-seqs" style="min-width:260px"><div style="font-size:12px;margin-bottom:3px">'
             f'block tables (logical → physical)</div>{seqs}</div></div>',
@@ -321,6 +365,23 @@ class BlockMap(widgets.VBox):
         c = _counters(self.last_snapshot)
         return (f"kvlab-block-map step={c['step']} used={c['used_blocks']} free={c['free_blocks']}"
                 f" tokens={c['tokens_stored']}")
+
+    def summary_text(self) -> str:
+        """The current state in one or two plain lines: step, used and free blocks, each sequence's state."""
+        return summary_text(self.last_snapshot, self.title, self.error)
+
+    def static_html(self) -> str:
+        """The current drawing with its text summary, for views without a live kernel."""
+        return static_html(self.html.value, self.summary_text())
+
+    def _repr_mimebundle_(self, **kwargs):
+        # A live frontend draws the widget view; nbviewer, GitHub and exported HTML (no widget state)
+        # fall back to these: the state when the widget was displayed, instead of nothing or a repr.
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            data["text/plain"] = self.summary_text()
+            data["text/html"] = self.static_html()
+        return data
 
     def step(self) -> list | None:
         """Run one engine step and redraw; returns the finished ids, or None when it did not run."""

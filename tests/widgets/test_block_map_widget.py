@@ -132,3 +132,29 @@ def test_an_engine_can_supply_its_own_snapshot_with_shared_and_cached_blocks():
     assert [b["data-owners"] for b in drawn] == ["1 2", "", ""]
     assert [b["data-cached"] for b in drawn] == ["0", "1", "0"] and drawn[0]["data-ref-count"] == "2"
     assert elements(bm.html.value, "kvlab-block-map")[0]["data-used"] == "1", "a cached block counts as free"
+
+
+def test_a_static_view_gets_a_text_and_html_summary(make_engine):
+    """nbviewer, GitHub and exported HTML show no live widget: the display bundle carries the state as text."""
+    bm = BlockMap(make_engine, title="pool")
+    for _ in range(3):
+        bm.step()
+    bundle = bm._repr_mimebundle_()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == bm.model_id, "live frontends: the widget"
+    c = bm.snapshot()["counters"]
+    head, seqs = bundle["text/plain"].splitlines()
+    assert head == (f"pool: step 3, {c['used_blocks']} of 16 blocks used, {c['free_blocks']} free, "
+                    f"{c['tokens_stored']} tokens stored")
+    assert seqs.startswith("seq 0 running (") and "seq 1 finished" in seqs
+    assert "seq 2 waiting (arrives at step 3)" in seqs
+    assert "kvlab-block-map step=" not in bundle["text/plain"], "the printed summary() marker stays unique"
+    static = elements(bundle["text/html"], "kvlab-block-map")
+    assert static[0]["data-step"] == "3" and static[0]["data-used"] == str(c["used_blocks"])
+    assert "kvlab-static-summary" in bundle["text/html"]
+
+
+def test_legend_items_never_wrap_inside():
+    snap = {"block_size": 4, "num_blocks": 2, "step": 0, "sequences": [],
+            "blocks": [{"id": 0, "owner": None, "fill": 0, "cached": True}, {"id": 1, "owner": None, "fill": 0}]}
+    items = elements(render_html(snap), "kvlab-legend-item")
+    assert len(items) == 7 and all("white-space:nowrap" in i["style"] for i in items)
