@@ -1,5 +1,6 @@
 """Greedy decoding on a kvlab cache, without one, and transformers' own `generate` as the oracle."""
 
+import sys
 import time
 
 from kvlab.cache.naive_cache import NaiveKVCache, RecomputeCache
@@ -39,13 +40,14 @@ def step_times(model, prompt_ids, max_new_tokens: int, use_cache: bool, repeats:
     The generation runs `repeats` times and each step keeps its fastest time, so that a busy
     machine's hiccups do not show up as spikes in the plot.
     """
-    from tqdm.auto import tqdm
+    # tqdm's text bar, not its widget: a saved notebook keeps the final line, never a stuck 0% widget.
+    from tqdm.std import tqdm
 
     prompt = as_token_ids(prompt_ids)
     check_fits_context(model, len(prompt), max_new_tokens)
     best = [float("inf")] * max_new_tokens
     label = "with cache" if use_cache else "no cache"
-    bar = tqdm(total=repeats * max_new_tokens, desc=label, disable=not progress)
+    bar = tqdm(total=repeats * max_new_tokens, desc=label, disable=not progress, file=sys.stdout, mininterval=0.5)
     for _ in range(repeats):
         ids = list(prompt)
         cache = NaiveKVCache(model.config.num_hidden_layers)

@@ -11,6 +11,7 @@ LLM(kv_cache_dtype="int8") (or "fp8", vLLM's knob) stores the K/V cache in 8 bit
 abort_request), which the notebooks and widgets drive directly.
 """
 
+import sys
 from collections.abc import Sequence
 
 from kvlab.cache.kv_storage import resolve_kv_cache_dtype
@@ -69,9 +70,10 @@ class LLM:
             raise
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            # tqdm's text bar, not its widget: a saved notebook keeps the final line, never a stuck 0% widget.
+            from tqdm.std import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
+            bar = tqdm(total=len(ids), desc="requests", unit="req", file=sys.stdout, mininterval=0.5)
         done = {}
         while any(rid not in done for rid in ids):
             for out in engine.step():
