@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlab.analysis.contiguous import POLICIES, ContiguousArena, reservation_slots
-from kvlab.analysis.traces import Request
+from kvlab.analysis.traces import TraceRequest
 from kvlab.core.paging import num_blocks_needed
 from kvlab.validation import check_block_size, check_positive_int
 
@@ -67,7 +67,7 @@ USED_CATEGORIES: tuple[str, ...] = ("tokens", "reserved", "internal", "external"
 class _Sequence:
     """A request's state inside the simulator."""
 
-    request: Request
+    request: TraceRequest
     num_generated: int = 0  # output tokens produced so far; survives a preemption
     num_tokens: int = 0  # token states stored in the KV cache now
     capacity: int = 0  # slots held now
@@ -93,7 +93,7 @@ class _ContiguousAllocator:
         """Slots a single request could ever hold."""
         return self.arena.num_slots
 
-    def peak_slots(self, request: Request) -> int:
+    def peak_slots(self, request: TraceRequest) -> int:
         """Slots the request holds at its largest: its reservation."""
         r = request
         return reservation_slots(self.policy, r.prompt_len, r.output_len, self.max_model_len)
@@ -144,7 +144,7 @@ class _PagedAllocator:
         """Slots a single request could ever hold: the whole pool."""
         return self.num_blocks * self.block_size
 
-    def peak_slots(self, request: Request) -> int:
+    def peak_slots(self, request: TraceRequest) -> int:
         """Slots the request holds at its largest: blocks for its final length."""
         return self._blocks_for(request.final_len) * self.block_size
 
@@ -260,7 +260,7 @@ def _make_allocator(allocator: str, num_slots: int, max_model_len: int, block_si
     raise ValueError(f"unknown allocator {allocator!r}; expected one of {ALLOCATORS}")
 
 
-def _check_requests(requests: Sequence[Request], allocator: _Allocator, max_model_len: int) -> None:
+def _check_requests(requests: Sequence[TraceRequest], allocator: _Allocator, max_model_len: int) -> None:
     """Reject requests the server could never run, before simulating anything."""
     ids = set()
     for r in requests:
@@ -322,7 +322,7 @@ def _account(running: list[_Sequence], waiting: deque[_Sequence], alloc: _Alloca
     return tokens, reserved, internal, external, free - external, external_strict
 
 
-def simulate(requests: Sequence[Request], allocator: str, *, num_slots: int, max_model_len: int = 2048,
+def simulate(requests: Sequence[TraceRequest], allocator: str, *, num_slots: int, max_model_len: int = 2048,
              block_size: int = 16, max_steps: int | None = None) -> SimResult:
     """Replay `requests` FCFS against `allocator` ("max", "pow2", "oracle" or "paged")."""
     check_positive_int("num_slots", num_slots)

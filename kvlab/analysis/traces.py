@@ -26,7 +26,7 @@ CSV_FIELDS: tuple[str, ...] = ("request_id", "arrival_step", "prompt_len", "outp
 
 
 @dataclass(slots=True, frozen=True)
-class Request:
+class TraceRequest:
     """One request of a trace: when it arrives and how many tokens it reads and writes."""
 
     request_id: int
@@ -54,7 +54,7 @@ def _lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: i
 
 
 def generate_trace(num_requests: int, *, arrival_rate: float, prompt_mean: float, prompt_sigma: float,
-                   output_mean: float, output_sigma: float, max_model_len: int, seed: int) -> list[Request]:
+                   output_mean: float, output_sigma: float, max_model_len: int, seed: int) -> list[TraceRequest]:
     """Draw a trace with lognormal prompt and output lengths and Poisson arrivals per step."""
     if num_requests <= 0:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
@@ -72,7 +72,7 @@ def generate_trace(num_requests: int, *, arrival_rate: float, prompt_mean: float
     arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)  # first request at step 0
     prompts = np.minimum(prompts, max_model_len - 1)
     outputs = np.minimum(outputs, max_model_len - prompts)
-    return [Request(i, int(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+    return [TraceRequest(i, int(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
 
 # The two datasets' length distributions (means in tokens, sigmas in log space), as in the module docstring.
@@ -81,20 +81,20 @@ INSTRUCT_LENGTHS = dict(prompt_mean=19.0, prompt_sigma=0.6, output_mean=58.0, ou
 
 
 def chat_trace(num_requests: int = 400, *, arrival_rate: float = 0.1, max_model_len: int = 2048,
-               seed: int = 0) -> list[Request]:
+               seed: int = 0) -> list[TraceRequest]:
     """A ShareGPT-like trace: long conversational prompts and long, heavy-tailed answers."""
     return generate_trace(num_requests, arrival_rate=arrival_rate, max_model_len=max_model_len, seed=seed,
                           **CHAT_LENGTHS)
 
 
 def instruct_trace(num_requests: int = 400, *, arrival_rate: float = 1.0, max_model_len: int = 2048,
-                   seed: int = 0) -> list[Request]:
+                   seed: int = 0) -> list[TraceRequest]:
     """An Alpaca-like trace: short instructions and short answers."""
     return generate_trace(num_requests, arrival_rate=arrival_rate, max_model_len=max_model_len, seed=seed,
                           **INSTRUCT_LENGTHS)
 
 
-def save_trace(requests: list[Request], path: str | Path) -> None:
+def save_trace(requests: list[TraceRequest], path: str | Path) -> None:
     """Write a trace as CSV with a header row `request_id,arrival_step,prompt_len,output_len`."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -103,7 +103,7 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
             writer.writerow((r.request_id, r.arrival_step, r.prompt_len, r.output_len))
 
 
-def load_trace(path: str | Path) -> list[Request]:
+def load_trace(path: str | Path) -> list[TraceRequest]:
     """Read a trace written by `save_trace`, raising ValueError on a malformed file."""
     with open(path, newline="") as f:
         reader = csv.reader(f)
@@ -115,13 +115,13 @@ def load_trace(path: str | Path) -> list[Request]:
             if not row:
                 continue
             try:
-                requests.append(Request(*(int(v) for v in row)))
+                requests.append(TraceRequest(*(int(v) for v in row)))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{line_no}: bad request row {row}: {e}") from None
     return requests
 
 
-def fit_to_context(requests: list[Request], max_tokens: int) -> list[Request]:
+def fit_to_context(requests: list[TraceRequest], max_tokens: int) -> list[TraceRequest]:
     """The requests scaled so that prompt + output <= max_tokens, each keeping its prompt-to-output ratio.
 
     A small model's context (the embedded model's is 256) cannot hold ShareGPT-length requests;
@@ -134,11 +134,11 @@ def fit_to_context(requests: list[Request], max_tokens: int) -> list[Request]:
         scale = min(1.0, max_tokens / r.final_len)
         prompt_len = max(1, round(r.prompt_len * scale))
         output_len = max(1, min(max_tokens - prompt_len, round(r.output_len * scale)))
-        fitted.append(Request(r.request_id, r.arrival_step, prompt_len, output_len))
+        fitted.append(TraceRequest(r.request_id, r.arrival_step, prompt_len, output_len))
     return fitted
 
 
-def scale_to_context(requests: list[Request], max_tokens: int, quantile: float = 0.95) -> list[Request]:
+def scale_to_context(requests: list[TraceRequest], max_tokens: int, quantile: float = 0.95) -> list[TraceRequest]:
     """The requests' lengths times one common factor, so the `quantile` of prompt + output fits max_tokens.
 
     Unlike fit_to_context this keeps the spread of lengths (short requests stay short); the few
@@ -158,11 +158,11 @@ def scale_to_context(requests: list[Request], max_tokens: int, quantile: float =
         if prompt_len + output_len > max_tokens:
             prompt_len = min(prompt_len, max(1, max_tokens // 2))
             output_len = min(output_len, max_tokens - prompt_len)
-        scaled.append(Request(r.request_id, r.arrival_step, prompt_len, output_len))
+        scaled.append(TraceRequest(r.request_id, r.arrival_step, prompt_len, output_len))
     return scaled
 
 
-def prompts_from_text(requests: list[Request], text: str, tokenize) -> list[list[int]]:
+def prompts_from_text(requests: list[TraceRequest], text: str, tokenize) -> list[list[int]]:
     """Prompt token ids of each request's prompt_len, cut from `text` at a place that depends on its id.
 
     tokenize(str) -> list[int]; with a character-level tokenizer one character is one token.

@@ -7,7 +7,7 @@ import pytest
 
 from kvlab.analysis.memory_sim import ALLOCATORS, CATEGORIES, simulate
 from kvlab.analysis.traces import (
-    Request,
+    TraceRequest,
     chat_trace,
     generate_trace,
     instruct_trace,
@@ -35,7 +35,7 @@ def results(shipped):
 
 
 def req(i, arrival, prompt, output):
-    return Request(request_id=i, arrival_step=arrival, prompt_len=prompt, output_len=output)
+    return TraceRequest(request_id=i, arrival_step=arrival, prompt_len=prompt, output_len=output)
 
 
 def assert_accounted(result):
