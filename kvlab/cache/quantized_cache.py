@@ -30,20 +30,17 @@ from kvlab.quantization import storage_format
 from kvlab.validation import check_positive_int
 
 __all__ = [
-    "CapacityComparison", "QuantizationEffect", "QuantizedPagedKVCache", "block_bytes", "compare_capacity", "gather_kv",
+    "CapacityComparison", "QuantizationEffect", "QuantizedPagedKVCache", "compare_capacity",
     "logit_and_perplexity_change", "quantized_paged_attention", "tokens_that_fit",
 ]
-
-gather_kv = gather_dequantized  # Chapter 8's name: (pool, scales, block_table, seq_len, dtype) -> [Hkv, seq_len, D]
-
 
 def quantized_paged_attention(q, k_pool, v_pool, k_scales, v_scales, block_table, seq_len, scaling):
     """Reference paged attention over quantised pools: gather, dequantise, causal attention.
 
     q: [H, T_new, D] for the last T_new positions of a sequence of seq_len tokens. Returns [T_new, H, D].
     """
-    k = gather_kv(k_pool, k_scales, block_table, seq_len, q.dtype)
-    v = gather_kv(v_pool, v_scales, block_table, seq_len, q.dtype)
+    k = gather_dequantized(k_pool, k_scales, block_table, seq_len, q.dtype)
+    v = gather_dequantized(v_pool, v_scales, block_table, seq_len, q.dtype)
     return causal_attention(q, k, v, scaling)
 
 

@@ -81,7 +81,8 @@ class CowBlockManager(PooledBlockManager):
         end = start + num_new_tokens
         blocks.extend(pool.get_new_blocks(num_blocks_needed(end, size) - len(blocks)))
         self.num_tokens[request_id] = end
-        return slot_mapping_for([b.block_id for b in blocks], start, num_new_tokens, size)
+        first = start // size  # only the blocks the new tokens land in, not the whole table, on every decode
+        return slot_mapping_for([b.block_id for b in blocks[first:]], start - first * size, num_new_tokens, size)
 
     def take_copy_orders(self) -> list[tuple[int, int]]:
         """The copy-on-write orders (src_block, dst_block) made since the last call, oldest first; clears them.

@@ -118,7 +118,9 @@ class KVCacheManager(PooledBlockManager):
         self.num_tokens[request_id] = end
         if self.enable_prefix_caching:
             self._cache_filled_blocks(request_id, new_token_ids)
-        return slot_mapping_for([b.block_id for b in blocks], start, num_new_tokens, self.block_size)
+        first = start // self.block_size  # only the blocks the new tokens land in, not the whole table, on every decode
+        return slot_mapping_for([b.block_id for b in blocks[first:]], start - first * self.block_size, num_new_tokens,
+                                self.block_size)
 
     def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
         hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]

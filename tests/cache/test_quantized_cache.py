@@ -4,13 +4,12 @@ import pytest
 import torch
 
 from kvlab.analysis.kv_size import load_model_config
+from kvlab.cache.kv_storage import block_bytes, gather_dequantized
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.paged_cache import gather_kv as gather_plain
 from kvlab.cache.quantized_cache import (
     QuantizedPagedKVCache,
-    block_bytes,
     compare_capacity,
-    gather_kv,
     logit_and_perplexity_change,
     tokens_that_fit,
 )
@@ -158,12 +157,12 @@ def test_copy_blocks_copies_values_and_scales():
         cache.copy_blocks([(0, 0)])
 
 
-def test_gather_kv_dequantises_through_the_block_table():
-    """gather_kv on the int8 pool equals Chapter 3's gather on the dequantised pool."""
+def test_gather_dequantized_reads_through_the_block_table():
+    """gather_dequantized on the int8 pool equals Chapter 3's gather on the dequantised pool."""
     cache, *_ = _filled_cache("int8")
     table = [2, 0, 1]
     k, _ = cache.dequantized(0)
-    torch.testing.assert_close(gather_kv(cache.k_pools[0], cache.k_scales[0], table, 10),
+    torch.testing.assert_close(gather_dequantized(cache.k_pools[0], cache.k_scales[0], table, 10),
                                gather_plain(k, table, 10))
 
 
