@@ -66,8 +66,7 @@ class LLMEngine:
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory (a byte budget for the pool), not both")
         if kv_cache_memory is not None:
-            if not is_integer(kv_cache_memory) \
-                    or kv_cache_memory < block_bytes:
+            if not is_integer(kv_cache_memory) or kv_cache_memory < block_bytes:
                 raise ValueError(f"kv_cache_memory must be an integer number of bytes, at least one block "
                                  f"({block_bytes} bytes), got {kv_cache_memory!r}")
             num_blocks = kv_cache_memory // block_bytes
