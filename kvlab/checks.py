@@ -3,6 +3,7 @@
 import contextlib
 import dis
 import io
+import operator
 import sys
 import types
 
@@ -36,8 +37,44 @@ def _passed(name: str) -> None:
     print(f"✓ {name}")
 
 
+class _NotPlain(Exception):
+    pass
+
+
+def _plain(value):
+    """value rebuilt from Python's own types, so an object that redefines == cannot pass for the answer."""
+    if value is None or type(value) is bool:
+        return value
+    if isinstance(value, int):  # int's own slot reads the number, whatever a subclass redefines
+        return int.__index__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bytes):
+        return memoryview(value).tobytes()
+    if isinstance(value, list):
+        return [_plain(item) for item in list.__iter__(value)]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in tuple.__iter__(value))
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in dict.items(value)}
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_plain(item) for item in (set.__iter__(value) if isinstance(value, set)
+                                                    else frozenset.__iter__(value)))
+    if isinstance(value, torch.Tensor) and value.dim() == 0:  # a scalar tensor counts as its number
+        return _plain(torch.Tensor.as_subclass(value, torch.Tensor).item())
+    if not isinstance(value, torch.Tensor) and hasattr(type(value), "__index__"):  # numpy integers
+        return int.__index__(operator.index(value))
+    raise _NotPlain(type(value).__name__)
+
+
 def check_equal(name: str, yours, expected, hint: str | None = None) -> None:
-    """Pass when yours == expected (lists, numbers, strings); otherwise show both."""
+    """Pass when yours == expected (lists, numbers, strings); otherwise show both.
+
+    Both sides are compared as plain Python values, so an answer must be made of ints, floats,
+    strings, lists, tuples, dicts and sets (an integer from numpy or a 0-d tensor counts as an int).
+    """
     if isinstance(yours, torch.Tensor) or isinstance(expected, torch.Tensor):
         raise TypeError("use check_close for tensors")
     if type(yours) is not type(expected) and not (
@@ -45,11 +82,17 @@ def check_equal(name: str, yours, expected, hint: str | None = None) -> None:
     ):
         _fail(name, yours, expected, hint,
               f"You returned a {type(yours).__name__}, expected a {type(expected).__name__}.")
-    if yours != expected:
+    try:
+        mine = _plain(yours)
+    except _NotPlain as err:
+        _fail(name, yours, expected, hint,
+              f"Your answer holds a {err}; return plain Python values (int, float, str, bytes, list, tuple, dict).")
+    expected = _plain(expected)
+    if mine != expected:
         detail = ""
-        if isinstance(yours, (list, tuple)) and isinstance(expected, (list, tuple)):
-            first = next((i for i, (a, b) in enumerate(zip(yours, expected)) if a != b), min(len(yours), len(expected)))
-            detail = f"First difference at index {first}; lengths {len(yours)} and {len(expected)}."
+        if isinstance(mine, (list, tuple)) and isinstance(expected, (list, tuple)):
+            first = next((i for i, (a, b) in enumerate(zip(mine, expected)) if a != b), min(len(mine), len(expected)))
+            detail = f"First difference at index {first}; lengths {len(mine)} and {len(expected)}."
         _fail(name, yours, expected, hint, detail)
     _passed(name)
 
@@ -58,16 +101,43 @@ def check_close(name: str, yours, expected, atol: float = 1e-5, rtol: float = 1e
     """Pass when tensors match in shape and agree within tolerance; otherwise show the largest difference."""
     if not isinstance(yours, torch.Tensor):
         _fail(name, yours, expected, hint, f"You returned a {type(yours).__name__}, expected a tensor.")
-    if yours.shape != expected.shape:
+    # A plain tensor of its values: a subclass cannot redefine the arithmetic the comparison uses.
+    yours = torch.Tensor.as_subclass(yours, torch.Tensor).detach()
+    if tuple(yours.shape) != tuple(expected.shape):
         _fail(name, yours, expected, hint, f"Shapes differ: {tuple(yours.shape)} vs {tuple(expected.shape)}.")
-    diff = (yours.double() - expected.double()).abs()
-    if not torch.allclose(yours.double(), expected.double(), atol=atol, rtol=rtol) or diff.isnan().any():
+    mine, want = yours.double().cpu(), expected.detach().double().cpu()
+    diff = (mine - want).abs()
+    outside = (diff > atol + rtol * want.abs()) | diff.isnan()
+    if diff.numel() and bool(outside.any()):
         worst = diff.nan_to_num(nan=float("inf"))  # a NaN counts as the largest possible difference
-        index = tuple(int(i) for i in torch.nonzero(worst == worst.max())[0]) if diff.numel() else ()
-        largest = worst.max().item() if diff.numel() else 0.0
+        index = tuple(int(i) for i in torch.nonzero(worst == worst.max())[0])
+        largest = worst.max().item()
         _fail(name, yours, expected, hint,
               f"Largest difference {largest:.3g} at index {index} (tolerance {atol} + {rtol}·|expected|).")
     _passed(name)
+
+
+def run_case(case: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with an exception of yours reported together with the case that caused it."""
+    try:
+        return fn(*args, **kwargs)
+    except CheckFailed:
+        raise
+    except Exception as err:
+        raise CheckFailed(f"{case}: your code raised {type(err).__name__}: {err}") from None
+
+
+def expect_raises(case: str, error: type[BaseException], fn, *args, **kwargs) -> None:
+    """Pass when fn(*args, **kwargs) raises error; otherwise say what happened in this case."""
+    try:
+        fn(*args, **kwargs)
+    except error:
+        return
+    except CheckFailed:
+        raise
+    except Exception as err:
+        raise CheckFailed(f"{case}: expected {error.__name__}, your code raised {type(err).__name__}: {err}") from None
+    raise CheckFailed(f"{case}: expected {error.__name__}, but nothing was raised")
 
 
 def _referenced_globals(code: types.CodeType) -> set[str]:
@@ -79,6 +149,26 @@ def _referenced_globals(code: types.CodeType) -> set[str]:
     return names
 
 
+def _string_constants(code: types.CodeType) -> set[str]:
+    found = {const for const in code.co_consts if isinstance(const, str)}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _string_constants(const)
+    return found
+
+
+# Names that look code up by a string or through another object's namespace. A reference reached
+# this way escapes a check that reads names, so exercise code may not use them at all.
+_DYNAMIC_LOOKUPS = {
+    "__import__", "import_module", "__globals__", "f_globals", "f_back", "eval", "exec", "compile",
+    "__builtins__", "__subclasses__", "__closure__", "__code__", "find_spec", "spec_from_file_location",
+    "module_from_spec", "exec_module", "load_module", "run_path", "run_module", "get_objects", "getmembers",
+}
+# Harmless on the learner's own objects; a way around the check when kvlab or sys is in reach.
+_ATTRIBUTE_LOOKUPS = {"getattr", "vars", "__dict__", "globals", "locals", "__getattribute__", "attrgetter",
+                      "methodcaller", "modules"}
+
+
 def _functions_of(obj) -> list:
     if isinstance(obj, type):
         return [v for k, v in vars(obj).items()
@@ -86,43 +176,83 @@ def _functions_of(obj) -> list:
     return [obj]
 
 
+def _from_kvlab(value) -> bool:
+    if isinstance(value, types.ModuleType):
+        return value.__name__.split(".")[0] == "kvlab"
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] == "kvlab"
+
+
 def own_implementation(obj, *references) -> None:
     """Fail unless `obj` was written in the notebook rather than taken from kvlab's reference code.
 
-    references: kvlab's reference functions or classes for this exercise.
+    references: kvlab's reference functions or classes for this exercise. The functions and classes
+    of the notebook that `obj` calls are read too, and so are their default arguments and closures.
     """
     name = getattr(obj, "__name__", repr(obj))
     module = getattr(obj, "__module__", "") or ""
-    if any(obj is ref for ref in references) or module.startswith("kvlab"):
+    if any(obj is ref for ref in references) or _from_kvlab(obj):
         raise CheckFailed(
             f"{name} is kvlab's own reference implementation (from {module}). "
             "Write the exercise yourself: a submission that imports the reference earns no points."
         )
-    if isinstance(obj, type):
-        for base in obj.__mro__[1:]:
-            if any(base is ref for ref in references):
-                raise CheckFailed(f"{name} inherits from kvlab's reference {base.__name__}; "
-                                  "write it without the reference.")
-    reference_names = {ref.__name__ for ref in references}
-    for fn in _functions_of(obj):
-        fn = getattr(fn, "__func__", None) or getattr(fn, "fget", None) or fn
-        code = getattr(fn, "__code__", None)
-        if code is None:
+    reference_names = {getattr(ref, "__name__", "") for ref in references} - {""}
+
+    def is_reference(value) -> bool:
+        return any(value is ref for ref in references) or (
+            _from_kvlab(value) and getattr(value, "__name__", None) in reference_names)
+
+    def fail(where: str, why: str) -> None:
+        raise CheckFailed(f"{name} {why} ({where}). Write the exercise yourself: a submission that "
+                          "uses the reference earns no points.")
+
+    pending, seen = [obj], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
             continue
-        scope = dict(fn.__globals__)
-        if fn.__closure__:
-            scope.update(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ if _has_contents(c))))
-        for global_name in _referenced_globals(code) | set(code.co_freevars):
-            value = scope.get(global_name)
-            uses_reference = any(value is ref for ref in references)
-            uses_module = isinstance(value, types.ModuleType) and value.__name__.startswith("kvlab") and (
-                reference_names & _referenced_globals(code)
-            )
-            if uses_reference or uses_module:
-                raise CheckFailed(
-                    f"{name} calls kvlab's reference implementation ({global_name}). "
-                    "Write the exercise yourself: a submission that uses the reference earns no points."
-                )
+        seen.add(id(current))
+        label = getattr(current, "__qualname__", getattr(current, "__name__", repr(current)))
+        if isinstance(current, type):
+            for base in current.__mro__[1:]:
+                if is_reference(base) or _from_kvlab(base):
+                    raise CheckFailed(f"{label} inherits from kvlab's {base.__name__}; "
+                                      "write it without kvlab's classes.")
+            for attr, value in vars(current).items():
+                if is_reference(value):
+                    fail(f"{label}.{attr}", "keeps kvlab's reference implementation as an attribute")
+        for fn in _functions_of(current):
+            fn = getattr(fn, "__func__", None) or getattr(fn, "fget", None) or fn
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            if _from_kvlab(fn) or is_reference(fn):
+                fail(label, f"calls kvlab's reference implementation ({getattr(fn, '__qualname__', fn)})")
+            scope = dict(fn.__globals__)
+            if fn.__closure__:
+                scope.update(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ if _has_contents(c))))
+            names = _referenced_globals(code)
+            values = {n: scope[n] for n in names | set(code.co_freevars) if n in scope}
+            defaults = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+            dynamic = sorted(names & _DYNAMIC_LOOKUPS)
+            if dynamic:
+                fail(label, f"looks code up by name with {', '.join(dynamic)}")
+            kvlab_strings = [s for s in _string_constants(code) if "kvlab" in s or s in reference_names]
+            in_reach = [v for v in [*values.values(), *defaults]
+                        if _from_kvlab(v) or v is sys or (isinstance(v, types.ModuleType) and v.__name__ in
+                                                           ("importlib", "builtins", "inspect", "gc", "operator"))]
+            lookups = sorted(names & _ATTRIBUTE_LOOKUPS)
+            if lookups and (in_reach or kvlab_strings):
+                fail(label, f"reaches into kvlab or sys with {', '.join(lookups)}")
+            if kvlab_strings and in_reach:
+                fail(label, f"names kvlab code in a string ({kvlab_strings[0]!r})")
+            for global_name, value in [*values.items(), *(("a default argument", d) for d in defaults)]:
+                uses_module = isinstance(value, types.ModuleType) and _from_kvlab(value) and (reference_names & names)
+                if is_reference(value) or uses_module:
+                    fail(global_name, "calls kvlab's reference implementation")
+                if (isinstance(value, (types.FunctionType, type)) and not _from_kvlab(value)
+                        and getattr(value, "__module__", None) == getattr(fn, "__module__", None)):
+                    pending.append(value)  # a helper written in the notebook: read it too
 
 
 def _has_contents(cell) -> bool:

@@ -83,3 +83,100 @@ def test_check_close_reports_nan_where_it_is():
     yours = torch.tensor([[1.0, float("nan")], [0.0, 2.0]])
     with pytest.raises(AssertionError, match=r"Largest difference inf at index \(0, 1\)"):
         check_close("nan", yours, torch.ones(2, 2))
+
+
+def test_own_implementation_sees_through_lookups_by_name():
+    """getattr, importlib, __globals__, sys.modules, a notebook helper and a default argument: none gets past."""
+    import importlib
+    import sys
+
+    ref = kvlab.decoding.generate.greedy_generate
+    module = kvlab.decoding.generate
+
+    def by_getattr(*args):
+        return getattr(module, "greedy_" + "generate")(*args)
+
+    def by_importlib(*args):
+        return importlib.import_module("kvlab.decoding.generate").greedy_generate(*args)
+
+    def by_globals(*args):
+        return module.load_model.__globals__["greedy_generate"](*args)
+
+    def by_sys_modules(*args):
+        return getattr(sys.modules["kvlab.decoding.generate"], "greedy_generate")(*args)
+
+    def by_default(*args, impl=ref):
+        return impl(*args)
+
+    def helper(*args):
+        return ref(*args)
+
+    def by_helper(*args):
+        return helper(*args)
+
+    class ByAttribute:
+        impl = staticmethod(ref)
+
+    for fake in (by_getattr, by_importlib, by_globals, by_sys_modules, by_default, by_helper, ByAttribute):
+        with pytest.raises(CheckFailed):
+            own_implementation(fake, ref)
+
+
+def test_own_implementation_accepts_lookups_on_the_learners_own_objects():
+    def mine(table, name):
+        return getattr(table, name, None)
+
+    own_implementation(mine, kvlab.decoding.generate.greedy_generate)
+
+
+class _Liar(int):
+    """An int that claims to equal anything."""
+
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def test_check_equal_compares_plain_values_so_a_redefined_eq_cannot_pass():
+    for yours, expected in ((_Liar(0), 5), ([_Liar(0)], [5]), ((1, _Liar(2)), (1, 3)), ({"a": _Liar(1)}, {"a": 2})):
+        with pytest.raises(CheckFailed):
+            check_equal("answer", yours, expected)
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    with pytest.raises(CheckFailed, match="plain Python values"):
+        check_equal("answer", [Anything()], [1])
+    import numpy as np
+
+    check_equal("numpy integers count as ints", [np.int64(3), torch.tensor(4)], [3, 4])
+
+
+def test_check_close_reads_the_values_of_a_tensor_subclass():
+    class Close(torch.Tensor):
+        def __sub__(self, other):
+            return torch.zeros(self.shape)
+
+    with pytest.raises(CheckFailed, match="Largest difference"):
+        check_close("out", torch.ones(3).as_subclass(Close), torch.zeros(3))
+
+
+def test_run_case_and_expect_raises_name_the_case():
+    from kvlab.checks import expect_raises, run_case
+
+    def boom(x):
+        raise ZeroDivisionError("oops")
+
+    with pytest.raises(CheckFailed, match=r"boom\(3\): your code raised ZeroDivisionError: oops"):
+        run_case("boom(3)", boom, 3)
+    assert run_case("len", len, [1, 2]) == 2
+    with pytest.raises(CheckFailed, match="len\\(\\[\\]\\): expected ValueError, but nothing was raised"):
+        expect_raises("len([])", ValueError, len, [])
+    with pytest.raises(CheckFailed, match="expected KeyError, your code raised ZeroDivisionError"):
+        expect_raises("boom", KeyError, boom, 1)
+    expect_raises("boom", ZeroDivisionError, boom, 1)
