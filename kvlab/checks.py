@@ -97,6 +97,17 @@ def check_equal(name: str, yours, expected, hint: str | None = None) -> None:
     _passed(name)
 
 
+def check_approx(name: str, yours, expected: float, abs_tol: float = 0.0, rel_tol: float = 0.0,
+                 hint: str | None = None) -> None:
+    """Pass when the number yours is within abs_tol or rel_tol·|expected| of expected; otherwise show both."""
+    if isinstance(yours, bool) or not isinstance(yours, (int, float)):
+        _fail(name, yours, expected, hint, f"You returned a {type(yours).__name__}, expected a number.")
+    mine = float(_plain(yours))
+    if not abs(mine - expected) <= max(abs_tol, rel_tol * abs(expected)):  # also false for NaN
+        _fail(name, yours, expected, hint, f"Allowed difference: {max(abs_tol, rel_tol * abs(expected)):.3g}.")
+    _passed(name)
+
+
 def check_close(name: str, yours, expected, atol: float = 1e-5, rtol: float = 1e-4, hint: str | None = None) -> None:
     """Pass when tensors match in shape and agree within tolerance; otherwise show the largest difference."""
     if not isinstance(yours, torch.Tensor):

@@ -180,3 +180,22 @@ def test_run_case_and_expect_raises_name_the_case():
     with pytest.raises(CheckFailed, match="expected KeyError, your code raised ZeroDivisionError"):
         expect_raises("boom", KeyError, boom, 1)
     expect_raises("boom", ZeroDivisionError, boom, 1)
+
+
+def test_check_approx_takes_plain_numbers_within_tolerance():
+    from kvlab.checks import check_approx
+
+    check_approx("share", 0.5834, 14 / 24, abs_tol=0.005)
+    with pytest.raises(CheckFailed, match="Allowed difference"):
+        check_approx("share", 0.6, 14 / 24, abs_tol=0.005)
+    with pytest.raises(CheckFailed, match="expected a number"):
+        check_approx("share", "0.58", 14 / 24, abs_tol=0.005)
+    with pytest.raises(CheckFailed):
+        check_approx("ms", float("nan"), 0.08, rel_tol=0.01)
+
+    class Liar(float):
+        def __sub__(self, other):
+            return 0.0
+
+    with pytest.raises(CheckFailed):
+        check_approx("ms", Liar(5.0), 0.08, rel_tol=0.01)

@@ -1,0 +1,230 @@
+"""Chapter 7's checks: test batches full of NaN traps, a launch that records what a kernel reads, per-sequence verdicts.
+
+The test cells load this file afresh (as they load kvlab/checks.py), and this module loads the checks
+and the reference it compares with afresh too, so nothing a notebook redefines takes part in grading.
+"""
+
+import importlib.util
+import os
+from functools import partial
+
+import numpy as np
+import torch
+import triton
+
+
+def _fresh(name: str):
+    """A new copy of module `name`, executed from its file, whatever sys.modules holds for it."""
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_checks = _fresh("kvlab.checks")
+_reference = _fresh("kvlab.kernels.reference")
+CheckFailed, check_close, limited_output = _checks.CheckFailed, _checks.check_close, _checks.limited_output
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")  # where the test batches live
+
+READS_PAST_END = ("a load read a slot past seq_len or a block the sequence does not own (make_batch put NaN there): "
+                  "mask the table, K and V loads with pos < seq_len, and give those positions a score of -inf")
+
+
+def check_output(name, yours, expected, hint=None, nan_hint=None, atol=1e-5, rtol=1e-4):
+    """check_close, with a plain message when yours holds NaN or inf where the expected value is finite."""
+    if isinstance(yours, torch.Tensor) and tuple(yours.shape) == tuple(expected.shape):
+        yours = torch.Tensor.as_subclass(yours, torch.Tensor)
+        bad = ~yours.isfinite() & expected.isfinite()
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise CheckFailed(f"{name}: not what was expected.\n"
+                              f"  Yours:    {yours[index].item()} at index {index} "
+                              f"({int(bad.sum())} values not finite)\n"
+                              f"  Expected: {expected[index].item():.6g}\n"
+                              f"  Hint: {nan_hint or hint or 'look for exp overflowing'}")
+    check_close(name, yours, expected, atol=atol, rtol=rtol, hint=hint)
+
+
+def make_batch(seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare"):
+    """A decode batch on a shuffled pool, NaN wherever a kernel must not read: (q, k_cache, v_cache, tables, seq_lens).
+
+    padding: what the table entries past each sequence's last block hold, "spare" (the NaN spare block) or
+    "garbage" (block numbers far outside the pool, negative ones included: any number may be there).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 1                                    # + one spare block
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    placement = torch.randperm(num_blocks, generator=gen).tolist()         # physical blocks in random order
+    spare = placement.pop()
+    k_cache[spare], v_cache[spare] = float("nan"), float("nan")
+    # Wide enough that even a tile running past a sequence's end finds an entry (the spare block).
+    width = max(max(blocks_needed), -(-max(16, triton.next_power_of_2(max(seq_lens))) // block_size)) + 1
+    block_tables = torch.full((len(seq_lens), width), spare, dtype=torch.int32)
+    for i, (n, need) in enumerate(zip(seq_lens, blocks_needed)):
+        block_tables[i, :need] = torch.tensor([placement.pop() for _ in range(need)], dtype=torch.int32)
+        last, filled = block_tables[i, need - 1], n - (need - 1) * block_size
+        k_cache[last, filled:], v_cache[last, filled:] = float("nan"), float("nan")  # slots past the end
+        if padding == "garbage":
+            junk = torch.randint(num_blocks, 2**30, (width - need,), generator=gen, dtype=torch.int32)
+            block_tables[i, need:] = torch.where(torch.arange(width - need) % 2 == 0, junk, -junk)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return tuple(t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, seq_lens))
+
+
+READ_LOG = {}  # after an interpreted launch: tensor name -> bool array, True for every element a load read
+
+
+def _track_reads(tensors):
+    """Patch the interpreter's load so that it marks, per tensor, each element a masked-in lane reads."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    original = InterpreterBuilder.create_masked_load
+    spans = [(name, t.data_ptr(), t.element_size(), t.numel()) for name, t in tensors.items()]
+    READ_LOG.clear()
+    READ_LOG.update({name: np.zeros(numel, dtype=bool) for name, _, _, numel in spans})
+    READ_LOG["elsewhere"] = 0
+
+    def create_masked_load(self, ptrs, mask, other, *args):
+        addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
+        known = np.zeros(addresses.shape, dtype=bool)
+        for name, start, size, numel in spans:
+            inside = (addresses >= start) & (addresses < start + size * numel)
+            READ_LOG[name][(addresses[inside] - start) // size] = True
+            known |= inside
+        READ_LOG["elsewhere"] += int((~known).sum())
+        return original(self, ptrs, mask, other, *args)
+
+    InterpreterBuilder.create_masked_load = create_masked_load
+    return lambda: setattr(InterpreterBuilder, "create_masked_load", original)
+
+
+def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile=None):
+    """Validate, allocate the output, run kernel on the grid (num_seqs, num_heads); tile=None: one tile per sequence."""
+    from kvlab.kernels import validate_paged_decode_inputs
+
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    if shape.num_seqs == 0:
+        return out
+    tile = tile or max(16, triton.next_power_of_2(shape.max_seq_len))
+    untrack = _track_reads(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                                out=out)) if INTERPRETED else None
+    try:
+        # The interpreter computes with NumPy, which warns (on stderr) where a GPU silently gives inf or NaN.
+        with np.errstate(all="ignore"):
+            kernel[(shape.num_seqs, shape.num_heads)](
+                out, q, k_cache, v_cache, block_tables, seq_lens, shape.scale,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim,
+                HEAD_DIM_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_SIZE=shape.block_size, TILE=tile)
+    except Exception as err:
+        # The interpreter wraps the stub's NotImplementedError; the compiler refuses a `raise` in a kernel.
+        if isinstance(err.__cause__, NotImplementedError) or "AST node type: Raise" in str(err):
+            raise NotImplementedError(f"{getattr(kernel, '__name__', kernel)} still raises NotImplementedError: "
+                                      "write its body") from None
+        raise
+    finally:
+        if untrack:
+            untrack()
+    return out
+
+
+def own_kernel(kernel):
+    """Fail unless kernel is a @triton.jit kernel written in the notebook, not one of kvlab's."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import kvlab.kernels
+
+    if not isinstance(kernel, (JITFunction, InterpretedFunction)):
+        raise CheckFailed(f"{kernel!r} is not a @triton.jit kernel: keep the decorator and the signature")
+    _checks.own_implementation(kernel.fn, kvlab.kernels.paged_attention_decode,
+                               kvlab.kernels.paged_attention_decode_split_kv,
+                               kvlab.kernels.paged_attention_decode_reference)
+
+
+def forbidden_reads(k_cache, v_cache, block_tables, seq_lens):
+    """What the last interpreted launch read that it must not have, as sentences naming the load and sequence."""
+    if not READ_LOG:
+        return []
+    lens, tables = seq_lens.tolist(), block_tables.contiguous().cpu()
+    block_size, problems = k_cache.shape[1], []
+    table_read = READ_LOG["block_tables"].reshape(tables.shape)
+    for s, n in enumerate(lens):
+        used = -(-n // block_size)
+        extra = table_read[s, used:].nonzero()[0]
+        if len(extra):
+            problems.append(f"sequence {s} (length {n}, {used} block(s), table row of {tables.shape[1]}) had its "
+                            f"table entries {(extra + used).tolist()[:6]} read: they are padding and may hold any "
+                            "number. Mask the block-table load with pos < seq_len")
+    owner = {}  # physical block -> (sequence, logical block) for the blocks sequences use
+    for s, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            owner[int(tables[s, j])] = (s, j)
+    for name, pool in (("K", k_cache), ("V", v_cache)):
+        poisoned = READ_LOG[name.lower() + "_cache"] & pool.detach().cpu().flatten().isnan().numpy()
+        if poisoned.any():
+            block, slot = divmod(int(poisoned.nonzero()[0][0]) // pool.stride(1), block_size)
+            if block in owner:
+                s, j = owner[block]
+                where = (f"slot {slot} of sequence {s}'s last block, position {j * block_size + slot}, "
+                         f"past its length {lens[s]}")
+            else:
+                where = f"block {block}, which no sequence's table uses"
+            problems.append(f"the {name} load read {where}. Mask the {name} load with pos < seq_len "
+                            "(and the head-dim lanes), and give those positions a score of -inf")
+    if READ_LOG["elsewhere"]:
+        problems.append(f"{READ_LOG['elsewhere']} lane(s) read memory outside every tensor passed: "
+                        "an unmasked load past a tensor's end")
+    return problems
+
+
+def check_kernel(name, q, k_cache, v_cache, block_tables, seq_lens, *, kernel, tile=None, scale=None, hint=None,
+                 nan_hint=None):
+    """Launch kernel on a batch, then check what it read and, sequence by sequence, what it returned."""
+    lens = seq_lens.tolist()
+    case = (f"{name} [seq_lens {lens}, {q.shape[1]} heads on {k_cache.shape[2]} KV heads, head_dim {q.shape[2]}, "
+            f"block size {k_cache.shape[1]}]")
+    with limited_output():
+        yours = launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, tile=tile)
+    problems = forbidden_reads(k_cache, v_cache, block_tables, seq_lens)
+    if problems:
+        raise CheckFailed(f"{case}: your kernel read what it must not.\n  " + "\n  ".join(problems))
+    expected = _reference.paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    yours, expected = yours.float().cpu(), expected.float().cpu()
+    not_finite = (~yours.isfinite()).flatten(1).any(1)
+    error = (yours - expected).abs().nan_to_num(float("inf")).flatten(1).amax(1)
+    wrong = not_finite | (error > 1e-4 + 1e-4 * expected.abs().flatten(1).amax(1))
+    if not wrong.any():
+        print(f"✓ {name}")
+        return
+    lines = [f"sequence {s} (length {lens[s]}): " + ("NaN or inf" if not_finite[s] else f"max error {error[s]:.3g}")
+             for s in range(len(lens)) if wrong[s]]
+    right = [n for s, n in enumerate(lens) if not wrong[s]]
+    if not_finite.any():
+        advice = nan_hint or (
+            "no load read a NaN slot, so the NaN comes from the arithmetic: exp of a large score overflowing "
+            "(subtract the max first), or 0 / 0 where all of a sequence's scores are -inf (is the pos < seq_len "
+            "mask on the scores the right way round?)" if READ_LOG else READS_PAST_END)
+    elif right and min(n for s, n in enumerate(lens) if wrong[s]) > max(right):
+        advice = (f"only the sequences longer than {max(right)} positions are wrong: does your loop stop "
+                  "before seq_len? It must run over every tile up to each program's own seq_len")
+    elif max(n for s, n in enumerate(lens) if wrong[s]) > 64:
+        advice = ("a long sequence is wrong: does your loop run over every tile up to the program's own seq_len "
+                  "(no fixed bound)? Otherwise " + (hint or "compare the addressing with the spec"))
+    else:
+        advice = hint or ("compare the addressing with the spec: block = table[pos // BLOCK_SIZE], "
+                          "slot = pos % BLOCK_SIZE")
+    raise CheckFailed(f"{case}: not what the spec returns for {int(wrong.sum())} of {len(lens)} sequence(s).\n  "
+                      + "\n  ".join(lines) + f"\n  Hint: {advice}")
+
+
+def kernel_checker(kernel, tile=None):
+    """check_kernel with the kernel and tile fixed: checker(name, *batch, scale=..., hint=...)."""
+    return partial(check_kernel, kernel=kernel, tile=tile)
