@@ -134,7 +134,7 @@ def time_config(batch, context, block_size, args, dtype, device, contiguous, sdp
         launch_paged_decode_split_kv,
         validate_paged_decode_inputs,
     )
-    from kvlab.kernels.paged_attention import split_plan
+    from kvlab.kernels.paged_decode import split_plan
 
     k, v = contiguous
     q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, context, block_size, args.num_heads, args.num_kv_heads,

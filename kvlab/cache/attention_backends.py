@@ -5,8 +5,9 @@
     "torch"       Chapter 6: the decodes of a pass (one new query each) are gathered together through
                   one index of their slots, padded to the longest and masked, and attended in one
                   batched computation; prefill chunks take the reference path
-    "triton"      Chapter 7: the decodes go to the Triton paged decode kernel, which reads the blocks
-                  in place (8-bit pools with their k_scale / v_scale); prefill chunks take the reference path
+    "triton"      Chapter 7: the whole pass (prefill chunks, prefix hits and decodes) goes to the unified
+                  Triton paged-attention kernel in one launch per layer, which reads the blocks in place
+                  (8-bit pools with their k_scale / v_scale): no gather at all
     "auto"        "triton" on a CUDA device with Triton installed, "torch" elsewhere
 
 A backend reads K/V only through the storage (kvlab.cache.kv_storage): real numbers for the torch
@@ -111,27 +112,35 @@ class TorchBatchedBackend(_BatchedDecodeBackend):
         return batched_decode_attention(q, k.view(shape), v.view(shape), plan["mask"], scaling)
 
 
-class TritonBackend(_BatchedDecodeBackend):
-    """Chapter 7's kernel for the decodes: it reads the pools (and 8-bit pools' scales) in place."""
+class TritonBackend:
+    """Chapter 7's unified kernel for the whole pass: chunks, prefix hits and decodes read the pools in place."""
 
     name = "triton"
 
-    def _decode_plan(self, batch, seqs, block_size, device) -> dict:
-        """The decodes' block tables (int32, zero-padded) and lengths, as the kernel reads them."""
-        width = max(len(batch.block_tables[i]) for i in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for r, i in enumerate(seqs):
-            tables[r, :len(batch.block_tables[i])] = torch.tensor(batch.block_tables[i], dtype=torch.int32)
-        lens = [batch.context_lens[i] for i in seqs]
-        return {"block_tables": tables.to(device), "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
+    def plan(self, batch, block_size: int, device):
+        """Every sequence's block table (int32, zero-padded), length and query offsets, as the kernel reads them."""
+        tables = torch.zeros(len(batch.block_tables), max(1, max(map(len, batch.block_tables), default=1)),
+                             dtype=torch.int32)
+        for i, table in enumerate(batch.block_tables):
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        starts = torch.zeros(len(batch.query_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(batch.query_lens, dtype=torch.int32).cumsum(0)
+        return {"block_tables": tables.to(device), "query_start_loc": starts.to(device),
+                "seq_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device), "shape": None}
 
-    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
-        """q [B, H, D] of the decodes -> [B, H, D]."""
+    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
+        """Every sequence's queries (query [1, H, T, D]) over its blocks, in one launch -> [T, H, D]."""
         # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.
-        from kvlab.kernels import paged_attention_decode
+        from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
 
+        q = query[0].transpose(0, 1)  # [T, H, D], head_dim still contiguous
         k_pool, v_pool, k_scale, v_scale = storage.kernel_inputs(layer_idx)
-        return paged_attention_decode(q, k_pool, v_pool, plan["block_tables"], plan["seq_lens"], scaling,
+        tables, seq_lens, starts = plan["block_tables"], plan["seq_lens"], plan["query_start_loc"]
+        if plan["shape"] is None:  # once per step: every layer has the same shapes, so later layers skip the checks
+            plan["shape"] = validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts, scaling,
+                                                            k_scale, v_scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return launch_paged_attention(plan["shape"], q, k_pool, v_pool, tables, seq_lens, starts, out,
                                       k_scale=k_scale, v_scale=v_scale)
 
 
@@ -158,7 +167,7 @@ def _triton_available() -> bool:
     return True
 
 
-def get_attn_backend(decode_backend: str, device) -> ReferenceBackend | _BatchedDecodeBackend:
+def get_attn_backend(decode_backend: str, device) -> ReferenceBackend | _BatchedDecodeBackend | TritonBackend:
     """The backend named decode_backend for pools on `device` ("auto": the kernel on CUDA, batched torch elsewhere)."""
     if decode_backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, got {decode_backend!r}")

@@ -11,11 +11,15 @@ kvlab.kernels was imported with the interpreter on (the default on a machine wit
 a fresh process (`python -m kvlab.kernels.aot`, as the CI test does): once a kernel has run in the
 interpreter, Triton leaves triton.language patched for it and compiling in that process fails.
 
-Besides fp32 / fp16 / bf16 pools, the decode and split-KV kernels are compiled for quantized pools
-(QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89 on,
-the first NVIDIA GPUs that convert it in hardware: Triton 3.7 refuses fp8e4nv below sm_89 ("type fp8e4nv
+The kernels are the unified paged-attention kernel (chunked prefills and decodes, kvlab.kernels.unified_attention)
+and the split-KV decode pair. Besides fp32 / fp16 / bf16 pools, the unified and split-KV kernels are compiled for
+quantized pools (QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89
+on, the first NVIDIA GPUs that convert it in hardware: Triton 3.7 refuses fp8e4nv below sm_89 ("type fp8e4nv
 not supported in this architecture"; it offers only fp8e4b15 and fp8e5 there).
 Their q and output are fp16 by default; the reduce kernel never reads the pools, so it has no such variant.
+Each compile also runs the ptxas inside the triton wheel with -v on the PTX, which reports what the GPU
+compiler decided without a GPU: registers per thread and bytes spilled to local memory; with the
+16-byte loads counted in the PTX and the shared memory Triton reserves, that is the kernel's fit.
 
     python -m kvlab.kernels.aot --sm 75 80 90 [--head-dim 128] [--block-size 16] [--kv-dtypes int8 fp8]
                                 [--out DIR] [--json]
@@ -36,7 +40,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from . import paged_attention as pa
+from . import paged_decode as pa
+from . import unified_attention as ua
 
 # Triton's names for the element types of q, the caches and the output.
 DTYPES = ("fp32", "fp16", "bf16")
@@ -56,11 +61,38 @@ class CompiledKernel:
     block_size: int
     ptx_target: str      # the PTX's .target line, e.g. sm_80 (sm_90a on Hopper)
     ptx_bytes: int       # size of the PTX text (0 if none was produced)
-    vector_loads: int    # 16-byte ld.global.v4 instructions in the PTX: how K and V rows are read
+    vector_loads: int    # 16-byte global loads in the PTX (ld.global.v4, and cp.async of 16 bytes into shared
+                         # memory, how Triton feeds tl.dot): how K and V rows are read
     cubin_bytes: int     # size of the cubin ptxas produced (0 if none)
     cubin_is_elf: bool   # a cubin is an ELF file, ready for cuModuleLoad on that GPU
     shared_bytes: int    # shared memory the kernel needs per program
+    registers: int       # registers per thread, from ptxas -v (-1 if ptxas gave no report)
+    spill_bytes: int     # bytes spilled to local memory per thread (stores + loads), from ptxas -v
     seconds: float
+
+
+def sixteen_byte_loads(ptx: str) -> int:
+    """Global loads of 16 bytes in a PTX: ld.global.v4 (four 32-bit lanes) and 16-byte cp.async copies."""
+    return ptx.count("ld.global.v4") + len(re.findall(r"cp\.async\.\w+\.shared\.global[^;]*,\s*0x10\b", ptx))
+
+
+def ptxas_report(ptx: str, sm: int) -> dict:
+    """What the ptxas inside the triton wheel says of a kernel's PTX (`ptxas -v`): registers and spilled bytes."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        run = subprocess.run([get_ptxas(sm).path, "-v", f"--gpu-name={target.group(1) if target else f'sm_{sm}'}",
+                              str(source), "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return {"registers": int(registers.group(1)) if registers else -1, "spill_bytes": sum(spills), "log": log}
 
 
 def dtypes_for(sm: int) -> list[str]:
@@ -95,7 +127,8 @@ def _jit(kernel) -> JITFunction:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None):
+def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None,
+                unified_tile: int = pa.DEFAULT_TILE):
     """(kernel, signature, constexprs, num_warps) for the kernels, as the launchers would pass them.
 
     kv_dtype None: the pools hold dtype, the three kernels. "int8" or "fp8": quantized pools read with fp32
@@ -114,16 +147,24 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAU
     else:  # the launchers pass None, which the JIT turns into a constexpr: no argument, no code
         scales = {"k_scale_ptr": "constexpr", "v_scale_ptr": "constexpr"}
         shape.update(k_scale_ptr=None, v_scale_ptr=None)
-    decode = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32",
-              "seq_lens_ptr": "*i32", "scale": "fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
-              "stride_out_seq": "i32", "stride_out_head": "i32", "stride_cache_block": "i32",
-              "stride_cache_slot": "i32", "stride_cache_head": "i32", "stride_table_seq": "i32"}
+    block_q, block_m = ua.block_q_for(shape["QUERIES_PER_KV"])
+    unified_consts = {"QUERIES_PER_KV": shape["QUERIES_PER_KV"], "BLOCK_Q": block_q, "BLOCK_M": block_m,
+                      "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size,
+                      "TILE": unified_tile, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
+    if not quantized:
+        unified_consts.update(k_scale_ptr=None, v_scale_ptr=None)
+    unified = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32",
+               "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32", "num_seqs": "i32",
+               "num_kv_heads": "i32", "stride_q_tok": "i32", "stride_q_head": "i32", "stride_out_tok": "i32",
+               "stride_out_head": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32",
+               "stride_cache_head": "i32", "stride_table_seq": "i32"}
     split = {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "q_ptr": io,
              "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "scale": "fp32", "tokens_per_split": "i32", "stride_q_seq": "i32", "stride_q_head": "i32",
              "stride_cache_block": "i32", "stride_cache_slot": "i32", "stride_cache_head": "i32",
              "stride_table_seq": "i32"}
-    kernels = [(pa._paged_decode_kernel, decode, shape, num_warps),
+    unified_warps = ua.num_warps_for(block_m, head_dim_pad, unified_tile)
+    kernels = [(ua._unified_attention_kernel, unified, unified_consts, unified_warps),
                (pa._paged_decode_split_kernel, split, shape, num_warps)]
     if quantized:
         return kernels
@@ -143,7 +184,8 @@ def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=N
     variants += [(kv_q_dtype, kv_dtype) for kv_dtype in (kv_dtypes_for(sm) if kv_dtypes is None else kv_dtypes)]
     results = []
     for dtype, kv_dtype in variants:
-        for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size, kv_dtype=kv_dtype):
+        for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size, kv_dtype=kv_dtype,
+                                                                    unified_tile=ua.tile_for(sm=sm)):
             fn = _jit(kernel)
             signature = dict(signature, **{name: "constexpr" for name in constexprs})
             # What the JIT infers at run time from real arguments: pointers 16-byte aligned (torch allocates
@@ -166,10 +208,12 @@ def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=N
                 if cubin:
                     stem.with_suffix(".cubin").write_bytes(cubin)
             target = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
+            report = ptxas_report(ptx, sm) if ptx else {"registers": -1, "spill_bytes": 0}
             results.append(CompiledKernel(name, sm, dtype, kv_dtype or dtype, head_dim, block_size,
                                           target.group(1) if target else "",
-                                          len(ptx), ptx.count("ld.global.v4"), len(cubin), cubin[:4] == b"\x7fELF",
-                                          int(compiled.metadata.shared), round(seconds, 2)))
+                                          len(ptx), sixteen_byte_loads(ptx), len(cubin), cubin[:4] == b"\x7fELF",
+                                          int(compiled.metadata.shared), report["registers"], report["spill_bytes"],
+                                          round(seconds, 2)))
     return results
 
 
@@ -197,7 +241,8 @@ def main(argv=None) -> int:
                       f"head_dim {result.head_dim:3} "
                       f"block {result.block_size:3}: PTX {result.ptx_bytes / 1024:5.1f} KiB "
                       f"({result.vector_loads} 16-byte loads), cubin {result.cubin_bytes / 1024:5.1f} KiB, "
-                      f"{result.seconds:.2f} s", flush=True)
+                      f"{result.registers} registers, {result.spill_bytes} B spilled, "
+                      f"{result.shared_bytes / 1024:.1f} KiB shared, {result.seconds:.2f} s", flush=True)
     return 0
 
 

@@ -50,3 +50,34 @@ def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("ht,thd->hd", probs, v).to(q.dtype)
     return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                              k_scale=None, v_scale=None):
+    """A ragged step's new tokens attending causally over their sequences, gathered block by block, in fp32.
+
+    q: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs], the new
+    tokens included; pools and scales as paged_attention_decode_reference. Returns q's shape and dtype.
+    """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (8-bit pools) or neither")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    starts = [int(x) for x in query_start_loc]
+    for i in range(len(starts) - 1):
+        seq_len, q_len = int(seq_lens[i]), starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        k = gather_blocks(k_cache, blocks, k_scale).flatten(0, 1)[:seq_len]
+        v = gather_blocks(v_cache, blocks, v_scale).flatten(0, 1)[:seq_len]
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)        # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        queries = q[starts[i]:starts[i + 1]].float()                       # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,thd->hqt", queries, k) * scale          # [num_heads, q_len, seq_len]
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out

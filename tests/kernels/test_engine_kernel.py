@@ -1,4 +1,4 @@
-"""Chapters 6 and 7 together: the engine's decodes through the Triton kernel equal transformers' generate.
+"""Chapters 6 and 7 together: the engine's steps through the unified Triton kernel equal transformers' generate.
 
 On CPU the kernel runs in Triton's interpreter (slow, so the model and outputs are tiny); on a GPU the
 same test runs the compiled kernel, and test_gpu.py checks the embedded model there.
@@ -47,3 +47,44 @@ def test_backend_choice_and_bad_backend(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="runs on a CUDA device"):
             BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="triton")
+
+
+@pytest.mark.parametrize("preemption_mode, kv_cache_dtype", [("recompute", "auto"), ("swap", "auto"),
+                                                             ("recompute", "int8")])
+def test_every_step_runs_through_the_unified_kernel(preemption_mode, kv_cache_dtype, monkeypatch):
+    """Chunked prefills, prefix hits, decodes and preemption: every attention call is one unified launch."""
+    launches = []
+    real = kvlab.kernels.launch_paged_attention
+
+    def spy(shape, *args, **kwargs):
+        launches.append((shape["num_tokens"], shape["num_seqs"]))
+        return real(shape, *args, **kwargs)
+
+    monkeypatch.setattr(kvlab.kernels, "launch_paged_attention", spy)
+    model = make_tiny_model("llama", num_kv_heads=2)
+    shared = [7, 3, 9, 1, 12, 5, 8, 2]               # two blocks of 4 that later prompts hit
+    prompts = [shared + [4, 6, 11], shared + [13], [10, 14, 3, 3, 5], shared + [4, 6, 11, 2]]
+    engine = LLMEngine(model, None, block_size=4, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=7,
+                       enable_prefix_caching=True, preemption_mode=preemption_mode,
+                       num_cpu_blocks=16 if preemption_mode == "swap" else None, decode_backend="triton",
+                       kv_cache_dtype=kv_cache_dtype)
+    reference = LLMEngine(model, None, block_size=4, num_blocks=64, decode_backend="torch",
+                          kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    outputs = {}
+    for name, eng in (("triton", engine), ("torch", reference)):
+        for i, prompt in enumerate(prompts):
+            eng.add_request(i, prompt, params)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    outputs[name, out.request_id] = out.outputs[0].token_ids
+    for i, prompt in enumerate(prompts):
+        if kv_cache_dtype == "auto":
+            assert outputs["triton", str(i)] == reference_generate(model, prompt, 7), f"request {i} differs"
+        assert outputs["triton", str(i)] == outputs["torch", str(i)], f"request {i}: kernel and torch paths differ"
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the pool of 9 blocks must force a preemption"
+    assert engine.kv_cache_manager.hits > 0, "later prompts must hit the shared prefix blocks"
+    assert any(tokens > seqs for tokens, seqs in launches), "no prefill chunk went through the kernel"
+    assert any(tokens == seqs for tokens, seqs in launches), "no decode-only step went through the kernel"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ("paged_decode_kernel", "paged_decode_split_kernel", "split_reduce_kernel")
+KERNELS = ("unified_attention_kernel", "paged_decode_split_kernel", "split_reduce_kernel")
 POOL_KERNELS = KERNELS[:2]  # the reduce kernel reads fp32 scratch, never the pools: no quantized variant
 # Two compiler processes side by side (19 and 16 compiles), so two cores finish them in about half the time.
 # head_dim 80 checks the masked, padded loads with fp16 pools only ('--kv-dtypes' with no value: no int8 variant).
@@ -40,7 +40,7 @@ def _expected():
 
 def test_kernels_compile_to_ptx_and_cubin_for_sm75_sm80_sm90(tmp_path):
     """Every kernel x dtype (x int8 / fp8 pool) gives PTX for its target and an ELF cubin, loading K and V
-    16 bytes at a time."""
+    16 bytes at a time; at head_dim 128 in fp16, ptxas -v reports no register spill."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))
@@ -58,6 +58,11 @@ def test_kernels_compile_to_ptx_and_cubin_for_sm75_sm80_sm90(tmp_path):
         what = f"{r['kernel']} {r['dtype']} (pools {r['kv_dtype']}) head_dim {r['head_dim']} for sm_{r['sm']}"
         assert r["ptx_bytes"] > 0 and r["ptx_target"].startswith(f"sm_{r['sm']}"), f"{what}: no PTX for that target"
         assert r["cubin_bytes"] > 0 and r["cubin_is_elf"], f"{what}: ptxas produced no cubin"
+        assert r["registers"] > 0, f"{what}: ptxas -v gave no register count:"
+        if r["head_dim"] == 128 and r["dtype"] == "fp16":
+            assert r["spill_bytes"] == 0, (
+                f"{what}: ptxas spills {r['spill_bytes']} bytes per thread to local memory with "
+                f"{r['registers']} registers: a smaller TILE or fewer rows per program, or 16-bit dots")
         if r["kernel"] != "split_reduce_kernel":
             assert r["vector_loads"] > 0, (f"{what}: K and V rows are not loaded 16 bytes at a time; the compiler "
                                            "needs to know strides and pointers are multiples of 16 (tt.divisibility)")

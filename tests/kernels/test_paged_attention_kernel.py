@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvlab.kernels.paged_attention as pa
+import kvlab.kernels.paged_decode as pa
+import kvlab.kernels.unified_attention as unified
 from kvlab.cache.paged_cache import paged_attention as chapter3_paged_attention
 from kvlab.kernels import (
     allocate_split_workspace,
@@ -284,8 +285,9 @@ def test_bad_inputs_raise_before_launch_and_change_nothing(case, kernel_name, mo
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    for name in ("_paged_decode_kernel", "_paged_decode_split_kernel", "_split_reduce_kernel"):
+    for name in ("_paged_decode_split_kernel", "_split_reduce_kernel"):
         monkeypatch.setattr(pa, name, NoLaunch())
+    monkeypatch.setattr(unified, "_unified_attention_kernel", NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args)
     for name, old, new in zip(("q", "k_cache", "v_cache", "block_tables", "seq_lens"), before, args):

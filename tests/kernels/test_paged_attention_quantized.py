@@ -19,7 +19,8 @@ Runs in Triton's interpreter on CPU (kvlab.kernels sets TRITON_INTERPRET=1 witho
 import pytest
 import torch
 
-import kvlab.kernels.paged_attention as pa
+import kvlab.kernels.paged_decode as pa
+import kvlab.kernels.unified_attention as unified
 from kvlab.cache.quantized_cache import QuantizedPagedKVCache, quantized_paged_attention
 from kvlab.kernels import (
     launch_paged_decode,
@@ -311,8 +312,9 @@ def test_bad_quantized_inputs_raise_before_launch(case, kernel_name, monkeypatch
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    for name in ("_paged_decode_kernel", "_paged_decode_split_kernel", "_split_reduce_kernel"):
+    for name in ("_paged_decode_split_kernel", "_split_reduce_kernel"):
         monkeypatch.setattr(pa, name, NoLaunch())
+    monkeypatch.setattr(unified, "_unified_attention_kernel", NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args, **scales)
     after = [_bytes(t) for t in args + list(scales.values()) if t.device.type != "meta"]

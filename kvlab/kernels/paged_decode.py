@@ -1,20 +1,22 @@
-"""Chapter 7: paged decode attention as a Triton kernel (one new query token per sequence).
+"""Chapter 7: paged decode attention in Triton, the split-KV variant, and the checks every kernel shares.
 
 Every sequence's keys and values live in the Chapter 3 pools, [num_blocks, block_size, num_kv_heads,
-head_dim], scattered over physical blocks that its block table names. One program computes one
-(sequence, query head) pair: it walks the sequence TILE positions at a time, finds each position's
-physical slot through the block table (block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE),
-loads those keys and values and folds them into an online softmax (running max, running sum,
-rescaled accumulator), so the scores of the whole sequence never exist at once.
+head_dim], scattered over physical blocks that its block table names. A kernel walks a sequence TILE
+positions at a time, finds each position's physical slot through the block table
+(block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE), loads those keys and values and folds
+them into an online softmax (running max, running sum, rescaled accumulator), so the scores of the
+whole sequence never exist at once.
 
-Two kernels compute it:
-  _paged_decode_kernel     one pass over the whole sequence per program (grid: seqs x heads).
+The one-pass decode is the unified kernel's q_len == 1 case (kvlab.kernels.unified_attention: one
+program per (sequence, KV head) for the whole query-head group, so each cached byte is requested once).
+This module holds what the kernels share (validation, the interpreter/compiler switch) and the split-KV
+("flash-decoding") pair for few long sequences:
   _paged_decode_split_kernel + _split_reduce_kernel
-                           split-KV ("flash-decoding"): each program covers one range of the
-                           sequence and writes its partial max, sum and accumulator to fp32 scratch;
-                           a small second kernel rescales the partials to a common max and adds them.
-                           With a batch of one and 32 heads the one-pass grid has 32 programs for a
-                           GPU of 132 SMs; splitting a 32k context 17 ways gives each SM about four.
+                           each program covers one range of a sequence for one query head and writes its
+                           partial max, sum and accumulator to fp32 scratch; a small second kernel
+                           rescales the partials to a common max and adds them. With a batch of one and
+                           32 heads a one-pass grid has few programs for a GPU of 132 SMs; splitting a 32k
+                           context 17 ways gives each SM about four.
 
 Quantized pools (Chapter 8's kvlab.cache.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
 with one float32 scale per (physical block, KV head) for K and one for V, k_scale and v_scale
@@ -111,56 +113,12 @@ def _online_softmax_over_range(
 
 
 @triton.jit
-def _paged_decode_kernel(
-    out_ptr,             # [num_seqs, num_heads, head_dim] written here, in q's dtype
-    q_ptr,               # [num_seqs, num_heads, head_dim] the one new query of each sequence
-    k_cache_ptr,         # [num_blocks, block_size, num_kv_heads, head_dim] the key pool
-    v_cache_ptr,         # the value pool: same shape and strides as the key pool
-    k_scale_ptr,         # [num_blocks, num_kv_heads] fp32, contiguous: K's scale per (block, KV head);
-                         # None unless QUANTIZED
-    v_scale_ptr,         # the same for V
-    block_tables_ptr,    # [num_seqs, max_blocks_per_seq] int32: logical block -> physical block
-    seq_lens_ptr,        # [num_seqs] int32: tokens of each sequence in the pool, the new one included
-    scale,               # softmax scale, usually head_dim ** -0.5
-    stride_q_seq,        # elements between two sequences' queries
-    stride_q_head,       # elements between two heads of one query (head_dim itself is contiguous)
-    stride_out_seq,      # elements between two sequences' outputs
-    stride_out_head,     # elements between two heads of one output
-    stride_cache_block,  # elements between two physical blocks of a pool
-    stride_cache_slot,   # elements between two token slots of one block
-    stride_cache_head,   # elements between two KV heads of one slot
-    stride_table_seq,    # elements between two rows of block_tables
-    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads: query heads that share one KV head (GQA)
-    HEAD_DIM: tl.constexpr,        # real head_dim, e.g. 80
-    HEAD_DIM_PAD: tl.constexpr,    # next power of two (tl.arange needs one), e.g. 128; the rest is masked
-    BLOCK_SIZE: tl.constexpr,      # tokens per block, a power of two so // and % are shifts and masks
-    TILE: tl.constexpr,            # positions loaded per loop iteration (may span blocks or part of one)
-    QUANTIZED: tl.constexpr,       # True: the pools hold int8 / fp8 values to multiply by k_scale / v_scale
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // QUERIES_PER_KV  # GQA: consecutive query heads read the same KV head
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV  # the scales' row length: one per KV head
-
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    q = _load_query_base2(q_ptr + seq * stride_q_seq + head * stride_q_head, dims, dim_ok, scale)
-    table_row = block_tables_ptr + seq * stride_table_seq
-    m_i, l_i, acc = _online_softmax_over_range(
-        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, 0, seq_len,
-        stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok, BLOCK_SIZE, TILE, QUANTIZED)
-    out = acc / l_i  # seq_len >= 1, so l_i >= 1: the maximum's own term is exp2(0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
-
-
-@triton.jit
 def _paged_decode_split_kernel(
     part_max_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's running max (base 2)
     part_sum_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's sum of exp2(s - max)
     part_acc_ptr,        # [num_seqs, num_heads, num_splits, head_dim] fp32 scratch: unnormalised outputs
-    # The inputs, strides and constants below mean what they mean for _paged_decode_kernel:
+    # The inputs, strides and constants below mean what they mean for the unified kernel's decode
+    # (kvlab.kernels.unified_attention), one (sequence, query head) per program:
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, scale,
     tokens_per_split,    # positions each split covers, a multiple of TILE
     stride_q_seq, stride_q_head, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
@@ -233,7 +191,7 @@ def _split_reduce_kernel(
 
 
 # True when the kernels above were built by Triton's interpreter (CPU tensors), False when compiled for a GPU.
-RUNS_IN_INTERPRETER = isinstance(_paged_decode_kernel, InterpretedFunction)
+RUNS_IN_INTERPRETER = isinstance(_paged_decode_split_kernel, InterpretedFunction)
 
 # triton.language's own helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are @triton.jit functions too,
 # built for the interpreter or the compiler when triton is first imported. When another module imported
@@ -506,28 +464,6 @@ def _launch_inputs(shape: PagedDecodeShape, q, block_tables, seq_lens):
     return q, block_tables, seq_lens, triton.next_power_of_2(shape.head_dim)
 
 
-def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=DEFAULT_TILE,
-                        k_scale=None, v_scale=None):
-    """Launch the one-pass kernel on validated inputs, writing out [num_seqs, num_heads, head_dim]; no checks.
-
-    k_scale, v_scale: [num_blocks, num_kv_heads] float32 for int8 / fp8 pools, None otherwise.
-    """
-    quantized = _is_quantized(k_cache, k_scale, v_scale)
-    if shape.num_seqs == 0:
-        return out
-    q, block_tables, seq_lens, head_dim_pad = _launch_inputs(shape, q, block_tables, seq_lens)
-    grid = (shape.num_seqs, shape.num_heads)
-    with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
-        _paged_decode_kernel[grid](
-            out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=shape.block_size, TILE=tile, QUANTIZED=quantized, num_warps=_num_warps(head_dim_pad, tile),
-        )
-    return out
-
-
 def split_plan(max_seq_len: int, num_splits: int, tile: int = DEFAULT_TILE) -> tuple[int, int]:
     """(tokens_per_split, num_splits): whole tiles per split, and the splits that leaves (never more than asked)."""
     tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), tile) * tile
@@ -572,20 +508,6 @@ def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, b
             num_warps=4,
         )
     return out
-
-
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None):
-    """Attention of each sequence's one new query over its seq_len cached tokens, read through its block table.
-
-    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]. Returns q's shape and dtype.
-    int8 / float8_e4m3fn pools: k_scale, v_scale float32 [num_blocks, num_kv_heads] (real value = stored * scale),
-    e.g. QuantizedPagedKVCache's k_scales[layer] and v_scales[layer]; None for unquantized pools.
-    """
-    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return launch_paged_decode(shape, q, k_cache, v_cache, block_tables, seq_lens, out,
-                               k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None,
