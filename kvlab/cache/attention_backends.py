@@ -113,7 +113,11 @@ class TorchBatchedBackend(_BatchedDecodeBackend):
 
 
 class TritonBackend:
-    """Chapter 7's unified kernel for the whole pass: chunks, prefix hits and decodes read the pools in place."""
+    """Chapter 7's unified kernel for the whole pass: chunks, prefix hits and decodes read the pools in place.
+
+    A decode-only step with few sequences and long contexts goes to split-KV instead, when one program per
+    (sequence, KV head) would leave most of the GPU's SMs idle (kvlab.kernels.choose_num_splits).
+    """
 
     name = "triton"
 
@@ -126,22 +130,48 @@ class TritonBackend:
         starts = torch.zeros(len(batch.query_lens) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(batch.query_lens, dtype=torch.int32).cumsum(0)
         return {"block_tables": tables.to(device), "query_start_loc": starts.to(device),
-                "seq_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device), "shape": None}
+                "seq_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device), "shape": None,
+                "decode_only": all(n == 1 for n in batch.query_lens), "max_seq_len": max(batch.context_lens,
+                                                                                          default=0),
+                "workspace": None}
 
     def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
         """Every sequence's queries (query [1, H, T, D]) over its blocks, in one launch -> [T, H, D]."""
         # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.
-        from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
+        from kvlab import kernels
 
         q = query[0].transpose(0, 1)  # [T, H, D], head_dim still contiguous
         k_pool, v_pool, k_scale, v_scale = storage.kernel_inputs(layer_idx)
         tables, seq_lens, starts = plan["block_tables"], plan["seq_lens"], plan["query_start_loc"]
-        if plan["shape"] is None:  # once per step: every layer has the same shapes, so later layers skip the checks
-            plan["shape"] = validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts, scaling,
-                                                            k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return launch_paged_attention(plan["shape"], q, k_pool, v_pool, tables, seq_lens, starts, out,
-                                      k_scale=k_scale, v_scale=v_scale)
+        if plan["shape"] is None:  # once per step: every layer has the same shapes, so later layers skip the checks
+            plan["num_splits"] = self._num_splits(plan, q.shape[0], k_pool.shape[2], q.device)
+            if plan["num_splits"] > 1:
+                plan["shape"] = kernels.validate_paged_decode_inputs(q, k_pool, v_pool, tables, seq_lens, scaling,
+                                                                     k_scale, v_scale)
+            else:
+                plan["shape"] = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
+                                                                        scaling, k_scale, v_scale)
+        if plan["num_splits"] > 1:
+            shape = plan["shape"]
+            tokens_per_split, num_splits = kernels.split_plan(shape.max_seq_len, plan["num_splits"])
+            if plan["workspace"] is None:  # scratch shared by the step's layers
+                plan["workspace"] = kernels.allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits,
+                                                                     shape.head_dim, q.device)
+            return kernels.launch_paged_decode_split_kv(shape, q, k_pool, v_pool, tables, seq_lens, out, num_splits,
+                                                        workspace=plan["workspace"], k_scale=k_scale, v_scale=v_scale)
+        return kernels.launch_paged_attention(plan["shape"], q, k_pool, v_pool, tables, seq_lens, starts, out,
+                                              k_scale=k_scale, v_scale=v_scale)
+
+    @staticmethod
+    def _num_splits(plan, num_seqs: int, num_kv_heads: int, device) -> int:
+        """Split-KV ranges for this step: 1 unless it is decode-only and the one-pass grid is too small."""
+        from kvlab.kernels import choose_num_splits
+
+        if not plan["decode_only"]:
+            return 1
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        return choose_num_splits(num_seqs, num_kv_heads, plan["max_seq_len"], num_sms)
 
 
 def batched_decode_attention(q, k, v, mask, scaling):

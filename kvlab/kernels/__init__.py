@@ -12,17 +12,18 @@ from .paged_decode import (
     PagedDecodeShape,
     allocate_split_workspace,
     choose_num_splits,
-    launch_paged_decode_split_kv,
-    paged_attention_decode_split_kv,
     quantized_cache_dtypes,
+    split_plan,
     validate_paged_decode_inputs,
 )
 from .reference import gather_blocks, paged_attention_decode_reference, paged_attention_reference
 from .unified_attention import (
     launch_paged_attention,
     launch_paged_decode,
+    launch_paged_decode_split_kv,
     paged_attention,
     paged_attention_decode,
+    paged_attention_decode_split_kv,
     validate_paged_attention_inputs,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "paged_attention_reference",
     "paged_attention_decode_split_kv",
     "quantized_cache_dtypes",
+    "split_plan",
     "validate_paged_attention_inputs",
     "validate_paged_decode_inputs",
 ]

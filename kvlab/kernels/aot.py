@@ -127,30 +127,25 @@ def _jit(kernel) -> JITFunction:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None,
-                unified_tile: int = pa.DEFAULT_TILE):
+def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None):
     """(kernel, signature, constexprs, num_warps) for the kernels, as the launchers would pass them.
 
     kv_dtype None: the pools hold dtype, the three kernels. "int8" or "fp8": quantized pools read with fp32
-    scales, the decode and split-KV kernels only (the reduce kernel never reads the pools).
+    scales, the unified and split-KV kernels only (the reduce kernel never reads the pools).
     """
     head_dim_pad = triton.next_power_of_2(head_dim)
-    num_warps = pa._num_warps(head_dim_pad, tile)
     quantized = kv_dtype is not None
-    # QUERIES_PER_KV 4 as in Llama-3-8B (32 query heads on 8 KV heads).
-    shape = {"QUERIES_PER_KV": 4, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad,
-             "BLOCK_SIZE": block_size, "TILE": tile, "QUANTIZED": quantized}
+    queries_per_kv = 4  # as in Llama-3-8B (32 query heads on 8 KV heads)
     io = f"*{dtype}"  # a pointer to that element type
     kv = f"*{KV_DTYPES[kv_dtype]}" if quantized else io
     if quantized:
         scales = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     else:  # the launchers pass None, which the JIT turns into a constexpr: no argument, no code
         scales = {"k_scale_ptr": "constexpr", "v_scale_ptr": "constexpr"}
-        shape.update(k_scale_ptr=None, v_scale_ptr=None)
-    block_q, block_m = ua.block_q_for(shape["QUERIES_PER_KV"])
-    unified_consts = {"QUERIES_PER_KV": shape["QUERIES_PER_KV"], "BLOCK_Q": block_q, "BLOCK_M": block_m,
+    block_q, block_m = ua.block_q_for(queries_per_kv)
+    unified_consts = {"QUERIES_PER_KV": queries_per_kv, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                       "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size,
-                      "TILE": unified_tile, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
+                      "TILE": tile, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
     if not quantized:
         unified_consts.update(k_scale_ptr=None, v_scale_ptr=None)
     unified = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32",
@@ -160,12 +155,17 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAU
                "stride_cache_head": "i32", "stride_table_seq": "i32"}
     split = {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "q_ptr": io,
              "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "scale": "fp32", "tokens_per_split": "i32", "stride_q_seq": "i32", "stride_q_head": "i32",
-             "stride_cache_block": "i32", "stride_cache_slot": "i32", "stride_cache_head": "i32",
-             "stride_table_seq": "i32"}
-    unified_warps = ua.num_warps_for(block_m, head_dim_pad, unified_tile)
+             "scale": "fp32", "tokens_per_split": "i32", "num_heads": "i32", "stride_q_seq": "i32",
+             "stride_q_head": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32",
+             "stride_cache_head": "i32", "stride_table_seq": "i32"}
+    split_consts = {"QUERIES_PER_KV": queries_per_kv, "BLOCK_M": block_m, "HEAD_DIM": head_dim,
+                    "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size, "TILE": tile,
+                    "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
+    if not quantized:
+        split_consts.update(k_scale_ptr=None, v_scale_ptr=None)
+    unified_warps = ua.num_warps_for(block_m, head_dim_pad, tile)
     kernels = [(ua._unified_attention_kernel, unified, unified_consts, unified_warps),
-               (pa._paged_decode_split_kernel, split, shape, num_warps)]
+               (ua._paged_decode_split_kernel, split, split_consts, unified_warps)]
     if quantized:
         return kernels
     reduce = {"out_ptr": io, "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32",
@@ -185,7 +185,7 @@ def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=N
     results = []
     for dtype, kv_dtype in variants:
         for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size, kv_dtype=kv_dtype,
-                                                                    unified_tile=ua.tile_for(sm=sm)):
+                                                                    tile=ua.tile_for(sm=sm)):
             fn = _jit(kernel)
             signature = dict(signature, **{name: "constexpr" for name in constexprs})
             # What the JIT infers at run time from real arguments: pointers 16-byte aligned (torch allocates

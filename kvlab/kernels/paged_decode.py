@@ -36,8 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.validation import is_integer
-
 # @triton.jit decides, when each decorator runs, whether the kernel is compiled for a GPU or executed by
 # Triton's interpreter on CPU tensors: triton 3.x reads TRITON_INTERPRET (through triton.knobs) at that
 # moment, so it must be set before the decorators below, and setting it later changes nothing for them.
@@ -57,101 +55,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_query_base2(q_row_ptr, dims, dim_ok, scale):
-    """One query head [HEAD_DIM_PAD] in fp32, times scale * log2(e) so the softmax can use exp2."""
-    # fp32 right after loading: accumulation precision, and the interpreter's bf16 arithmetic is wrong.
-    q = tl.load(q_row_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    # Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)), and exp2 is the GPU's native op.
-    return q * (scale * 1.4426950408889634)
-
-
-@triton.jit
-def _online_softmax_over_range(
-    q,                   # [HEAD_DIM_PAD] fp32 query, already times scale * log2(e)
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,  # the pools and their scales (see the kernels)
-    table_row,           # pointer to this sequence's row of block_tables
-    kv_head, num_kv_heads,
-    range_start, range_end,  # the positions [range_start, range_end) this program attends over
-    stride_cache_block, stride_cache_slot, stride_cache_head,
-    dims, dim_ok,        # [HEAD_DIM_PAD] head-dim offsets and which of them are real
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, QUANTIZED: tl.constexpr,
-):
-    """The running max m_i, sum l_i and unnormalised output acc [HEAD_DIM_PAD] of the softmax over the range."""
-    m_i = tl.full([], float("-inf"), tl.float32)   # running max of the scores seen so far
-    l_i = tl.full([], 0.0, tl.float32)             # running sum of exp2(score - m_i)
-    acc = tl.zeros_like(q)                         # running sum of exp2(score - m_i) * v
-    for start in range(range_start, range_end, TILE):
-        pos = start + tl.arange(0, TILE)
-        in_range = pos < range_end
-        # Only positions inside the range look up their block, so table entries past the sequence's
-        # last block (stale or garbage) are never read, and neither are the pool slots past it.
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
-        # int64: block * stride_cache_block passes 2**31 in pools over 4 GiB of fp16.
-        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM_PAD]
-        kv_mask = in_range[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            # Dequantise right after the load: each position times the scale of its (physical block, KV head).
-            scale_offsets = block * num_kv_heads + kv_head                                   # [TILE]
-            k = k * tl.load(k_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
-        scores = tl.sum(k * q[None, :], axis=1)                 # [TILE]
-        scores = tl.where(in_range, scores, float("-inf"))     # padding positions get zero weight
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new max (0 on the first tile)
-        p = tl.exp2(scores - m_new)                            # [TILE]
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        if QUANTIZED:
-            v = v * tl.load(v_scale_ptr + scale_offsets, mask=in_range, other=0.0)[:, None]
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _paged_decode_split_kernel(
-    part_max_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's running max (base 2)
-    part_sum_ptr,        # [num_seqs, num_heads, num_splits] fp32 scratch: each split's sum of exp2(s - max)
-    part_acc_ptr,        # [num_seqs, num_heads, num_splits, head_dim] fp32 scratch: unnormalised outputs
-    # The inputs, strides and constants below mean what they mean for the unified kernel's decode
-    # (kvlab.kernels.unified_attention), one (sequence, query head) per program:
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, scale,
-    tokens_per_split,    # positions each split covers, a multiple of TILE
-    stride_q_seq, stride_q_head, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, QUANTIZED: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_head = head // QUERIES_PER_KV
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_kv_heads = tl.num_programs(1) // QUERIES_PER_KV
-    # This program's range [split_start, split_end); empty for splits past a short sequence's end.
-    split_start = split * tokens_per_split
-    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
-
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    q = _load_query_base2(q_ptr + seq * stride_q_seq + head * stride_q_head, dims, dim_ok, scale)
-    table_row = block_tables_ptr + seq * stride_table_seq
-    # The same online softmax as the one-pass kernel, over this split's range only.
-    m_i, l_i, acc = _online_softmax_over_range(
-        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, split_start,
-        split_end, stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok, BLOCK_SIZE, TILE,
-        QUANTIZED)
-
-    # Not normalised: the reduce kernel needs max, sum and accumulator to rescale splits against each
-    # other. Empty splits write nothing; the reduce kernel knows from seq_len which splits exist.
-    has_work = split_start < seq_len
-    part = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split  # row-major [seqs, heads, splits]
-    tl.store(part_max_ptr + part, m_i, mask=has_work)
-    tl.store(part_sum_ptr + part, l_i, mask=has_work)
-    tl.store(part_acc_ptr + part * HEAD_DIM + dims, acc, mask=dim_ok & has_work)
 
 
 @triton.jit
@@ -191,7 +94,7 @@ def _split_reduce_kernel(
 
 
 # True when the kernels above were built by Triton's interpreter (CPU tensors), False when compiled for a GPU.
-RUNS_IN_INTERPRETER = isinstance(_paged_decode_split_kernel, InterpretedFunction)
+RUNS_IN_INTERPRETER = isinstance(_split_reduce_kernel, InterpretedFunction)
 
 # triton.language's own helpers (tl.sum, tl.max, tl.zeros, tl.cdiv, ...) are @triton.jit functions too,
 # built for the interpreter or the compiler when triton is first imported. When another module imported
@@ -200,8 +103,14 @@ RUNS_IN_INTERPRETER = isinstance(_paged_decode_split_kernel, InterpretedFunction
 # interpreter-mode helpers break an ahead-of-time compile. Their twins of the right kind stand in while
 # our kernels run or compile, and the originals are put back afterwards.
 _TWINS = {}
-# @triton.jit helpers of this module the kernels call
-DEVICE_FUNCTIONS = ("_load_query_base2", "_online_softmax_over_range")
+# @triton.jit helpers the kernels call by their global names, per module (kvlab.kernels.unified_attention
+# registers its own): they must be built in the same mode as the kernel that calls them.
+DEVICE_FUNCTIONS: dict[str, tuple[str, ...]] = {}
+
+
+def register_device_functions(module_name: str, names: tuple[str, ...]) -> None:
+    """Let triton_language_as swap these @triton.jit helpers of module_name with the kernels."""
+    DEVICE_FUNCTIONS[module_name] = tuple(names)
 
 
 def _twin(helper, interpreted: bool):
@@ -223,13 +132,14 @@ def triton_language_as(interpreted: bool):
                 if isinstance(value, wrong) and value.fn.__module__.startswith("triton.language"):
                     swapped.append((space, name, value))
                     setattr(space, name, _twin(value, interpreted))
-    # Our own device function is called from the kernels by its global name: it must match the mode too.
-    this = sys.modules[__name__]
-    for name in DEVICE_FUNCTIONS:
-        value = getattr(this, name)
-        if isinstance(value, wrong):
-            swapped.append((this, name, value))
-            setattr(this, name, _twin(value, interpreted))
+    # Our own device functions are called from the kernels by their global names: they must match the mode too.
+    for module_name, names in DEVICE_FUNCTIONS.items():
+        module = sys.modules[module_name]
+        for name in names:
+            value = getattr(module, name)
+            if isinstance(value, wrong):
+                swapped.append((module, name, value))
+                setattr(module, name, _twin(value, interpreted))
     try:
         yield
     finally:
@@ -444,14 +354,13 @@ def _is_quantized(k_cache, k_scale, v_scale) -> bool:
     return quantized
 
 
-def _num_warps(head_dim_pad: int, tile: int) -> int:
-    # A program holds a [TILE, HEAD_DIM_PAD] fp32 tile of K and of V: 8 warps keep that in registers at 256.
-    return 8 if head_dim_pad * tile >= 16384 else 4
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """How many ranges to split each sequence into: enough programs for about 4 per SM, none under 256 tokens.
 
-
-def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """How many ranges to split each sequence into: enough programs for about 4 per SM, none under 256 tokens."""
-    programs = max(1, num_seqs * num_heads)
+    A decode program serves one (sequence, KV head) and its query-head group, so a split adds num_seqs x
+    num_kv_heads programs: vLLM's rule of thumb, split when those alone would leave most SMs idle.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(4 * num_sms, programs)                 # small batches want more splits
     useful = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)  # long contexts allow more splits
     return max(1, min(wanted, useful, MAX_SPLITS))
@@ -475,54 +384,3 @@ def allocate_split_workspace(num_seqs, num_heads, num_splits, head_dim, device):
     part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
     return part_max, torch.empty_like(part_max), torch.empty((num_seqs, num_heads, num_splits, head_dim),
                                                               dtype=torch.float32, device=device)
-
-
-def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out,
-                                 num_splits, tile=DEFAULT_TILE, workspace=None, k_scale=None, v_scale=None):
-    """Launch split-KV then the reduce on validated inputs, writing out; workspace from allocate_split_workspace.
-
-    k_scale, v_scale: [num_blocks, num_kv_heads] float32 for int8 / fp8 pools, None otherwise.
-    """
-    quantized = _is_quantized(k_cache, k_scale, v_scale)
-    if shape.num_seqs == 0:
-        return out
-    q, block_tables, seq_lens, head_dim_pad = _launch_inputs(shape, q, block_tables, seq_lens)
-    tokens_per_split, num_splits = split_plan(shape.max_seq_len, num_splits, tile)
-    if workspace is None:
-        workspace = allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits, shape.head_dim, q.device)
-    part_max, part_sum, part_acc = workspace
-    if part_max.shape != (shape.num_seqs, shape.num_heads, num_splits):
-        raise ValueError(f"workspace is for {tuple(part_max.shape)} but this call needs "
-                         f"{(shape.num_seqs, shape.num_heads, num_splits)} (num_splits rounded to whole tiles)")
-    with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
-        _paged_decode_split_kernel[(shape.num_seqs, shape.num_heads, num_splits)](
-            part_max, part_sum, part_acc, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
-            tokens_per_split, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=shape.block_size, TILE=tile, QUANTIZED=quantized, num_warps=_num_warps(head_dim_pad, tile),
-        )
-        _split_reduce_kernel[(shape.num_seqs, shape.num_heads)](
-            out, part_max, part_sum, part_acc, seq_lens, tokens_per_split, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
-    return out
-
-
-def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None,
-                                    k_scale=None, v_scale=None):
-    """The same attention, each sequence split into num_splits ranges (chosen from batch and length when None).
-
-    Shapes as paged_attention_decode: q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype;
-    k_scale, v_scale as there (8-bit pools only).
-    """
-    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-    if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
-        num_splits = choose_num_splits(shape.num_seqs, shape.num_heads, shape.max_seq_len, num_sms)
-    if not is_integer(num_splits) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits,
-                                        k_scale=k_scale, v_scale=v_scale)

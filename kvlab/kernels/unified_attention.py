@@ -30,15 +30,83 @@ from kvlab.kernels.paged_decode import (
     _check_mode,
     _dtype_name,
     _is_quantized,
+    _launch_inputs,
+    _split_reduce_kernel,
+    allocate_split_workspace,
+    choose_num_splits,
     quantized_cache_dtypes,
+    register_device_functions,
+    split_plan,
     triton,
     triton_language_as,
     validate_paged_decode_inputs,
 )
+from kvlab.validation import is_integer
 
 tl = triton.language
 
 MIN_ROWS = 16  # tl.dot's smallest M on NVIDIA GPUs
+
+
+@triton.jit
+def _attend_tiles(
+    q,                    # [BLOCK_M, HEAD_DIM_PAD] the program's query rows, in the dots' dtype
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,  # the pools and their scales (see the kernel)
+    table_row,            # pointer to the sequence's row of block_tables
+    kv_head, num_kv_heads,
+    kv_start, kv_end,     # the key positions [kv_start, kv_end) to attend over
+    query_pos,            # [BLOCK_M] each row's position: it sees keys at or before it (causal)
+    row_ok,               # [BLOCK_M] rows that are real (token, head) pairs
+    scale,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    dims, dim_ok,         # [HEAD_DIM_PAD] head-dim offsets and which of them are real
+    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Each row's running max m_i and sum l_i [BLOCK_M] and unnormalised output acc [BLOCK_M, HEAD_DIM_PAD]."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of each row's scores (base 2)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)   # running sum of exp2(score - m_i) * v
+    for start in range(kv_start, kv_end, TILE):
+        pos = start + tl.arange(0, TILE)
+        in_seq = pos < kv_end
+        # Masked table load: entries past the sequence's last block may hold anything.
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
+        slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]   # [TILE, HEAD_DIM_PAD]
+        kv_mask = in_seq[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if QUANTIZED:
+            # Dequantise right after the load (real value = stored * the block's scale), then into the
+            # dots' dtype: q's 16-bit dtype keeps the tensor cores; fp32 dots would spill registers.
+            scale_offsets = block * num_kv_heads + kv_head
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
+                 ).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
+                 ).to(q.dtype)
+        elif DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")                  # [BLOCK_M, TILE]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * (scale * 1.4426950408889634)   # base 2: exp(x) == exp2(x * log2(e)), exp2 is the native op
+        visible = row_ok[:, None] & in_seq[None, :] & (pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen nothing yet (all -inf) keeps m = -inf; subtract 0 there, not -inf, so no NaN.
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - safe)
+        p = tl.exp2(s - safe[:, None])
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -100,54 +168,64 @@ def _unified_attention_kernel(
             q = q.to(tl.float32)
         table_row = block_tables_ptr + seq * stride_table_seq
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of each row's scores (base 2)
-        l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)   # running sum of exp2(score - m_i) * v
         # Causal: this block's last token sees positions up to its own, so later keys are never loaded.
         kv_end = tl.minimum(seq_len, context + (local + 1) * BLOCK_Q)
-        for start in range(0, kv_end, TILE):
-            pos = start + tl.arange(0, TILE)
-            in_seq = pos < kv_end
-            # Masked table load: entries past the sequence's last block may hold anything.
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0)
-            slot = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-            kv_offsets = (slot + kv_head * stride_cache_head)[:, None] + dims[None, :]   # [TILE, HEAD_DIM_PAD]
-            kv_mask = in_seq[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if QUANTIZED:
-                # Dequantise right after the load (real value = stored * the block's scale), then into the
-                # dots' dtype: q's 16-bit dtype keeps the tensor cores; fp32 dots would spill registers.
-                scale_offsets = block * num_kv_heads + kv_head
-                k = (k.to(tl.float32) * tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
-                     ).to(q.dtype)
-                v = (v.to(tl.float32) * tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)[:, None]
-                     ).to(q.dtype)
-            elif DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")                  # [BLOCK_M, TILE]
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * (scale * 1.4426950408889634)   # base 2: exp(x) == exp2(x * log2(e)), exp2 is the native op
-            visible = row_ok[:, None] & in_seq[None, :] & (pos[None, :] <= query_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen nothing yet (all -inf) keeps m = -inf; subtract 0 there, not -inf, so no NaN.
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - safe)
-            p = tl.exp2(s - safe[:, None])
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+        m_i, l_i, acc = _attend_tiles(
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, 0, kv_end,
+            query_pos, row_ok, scale, stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok,
+            BLOCK_M, HEAD_DIM_PAD, BLOCK_SIZE, TILE, QUANTIZED, DOT_FP32)
         # A real row saw its own position, so l_i >= 1; padding rows are never stored.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_offsets = (q_start + tok)[:, None] * stride_out_tok + head[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    part_max_ptr,         # [num_seqs, num_heads, num_splits] fp32 scratch: each split's running max (base 2)
+    part_sum_ptr,         # [num_seqs, num_heads, num_splits] fp32 scratch: each split's sum of exp2(s - max)
+    part_acc_ptr,         # [num_seqs, num_heads, num_splits, head_dim] fp32 scratch: unnormalised outputs
+    # The inputs below mean what they mean for the unified kernel, with one new token per sequence:
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    tokens_per_split,     # positions each split covers, a multiple of TILE
+    num_heads,
+    stride_q_seq, stride_q_head, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Split-KV decode: one program per (sequence, KV head, range of the sequence), for the whole query-head group."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)   # empty past a short sequence's end
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # The new token is the sequence's last position: it sees every key.
+    query_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
+    m_i, l_i, acc = _attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table_seq, kv_head,
+        num_kv_heads, split_start, split_end, query_pos, row_ok, scale, stride_cache_block, stride_cache_slot,
+        stride_cache_head, dims, dim_ok, BLOCK_M, HEAD_DIM_PAD, BLOCK_SIZE, TILE, QUANTIZED, DOT_FP32)
+    # Not normalised: the reduce kernel rescales the splits against each other. Empty splits write nothing.
+    keep = row_ok & (split_start < seq_len)
+    part = (seq * num_heads + head) * tl.num_programs(2) + split     # row-major [seqs, heads, splits]
+    tl.store(part_max_ptr + part, m_i, mask=keep)
+    tl.store(part_sum_ptr + part, l_i, mask=keep)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=keep[:, None] & dim_ok[None, :])
+
+
+register_device_functions(__name__, ("_attend_tiles",))
 
 
 def tile_for(device: torch.device | None = None, sm: int | None = None) -> int:
@@ -343,3 +421,59 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return launch_paged_attention(shape, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                                   k_scale=k_scale, v_scale=v_scale)
+
+
+def launch_paged_decode_split_kv(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out,
+                                 num_splits, tile=None, workspace=None, k_scale=None, v_scale=None):
+    """Launch split-KV then the reduce on validated inputs, writing out; workspace from allocate_split_workspace.
+
+    k_scale, v_scale: [num_blocks, num_kv_heads] float32 for int8 / fp8 pools, None otherwise.
+    """
+    quantized = _is_quantized(k_cache, k_scale, v_scale)
+    if shape.num_seqs == 0:
+        return out
+    q, block_tables, seq_lens, head_dim_pad = _launch_inputs(shape, q, block_tables, seq_lens)
+    tile = tile or tile_for(q.device)
+    tokens_per_split, num_splits = split_plan(shape.max_seq_len, num_splits, tile)
+    if workspace is None:
+        workspace = allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits, shape.head_dim, q.device)
+    part_max, part_sum, part_acc = workspace
+    if part_max.shape != (shape.num_seqs, shape.num_heads, num_splits):
+        raise ValueError(f"workspace is for {tuple(part_max.shape)} but this call needs "
+                         f"{(shape.num_seqs, shape.num_heads, num_splits)} (num_splits rounded to whole tiles)")
+    queries_per_kv = shape.num_heads // shape.num_kv_heads
+    block_m = max(MIN_ROWS, triton.next_power_of_2(queries_per_kv))   # one token: the group, padded to 16 rows
+    with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
+        _paged_decode_split_kernel[(shape.num_seqs, shape.num_kv_heads, num_splits)](
+            part_max, part_sum, part_acc, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, shape.scale,
+            tokens_per_split, shape.num_heads, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=shape.block_size, TILE=tile, QUANTIZED=quantized,
+            DOT_FP32=RUNS_IN_INTERPRETER or q.dtype == torch.float32,
+            num_warps=num_warps_for(block_m, head_dim_pad, tile),
+        )
+        _split_reduce_kernel[(shape.num_seqs, shape.num_heads)](
+            out, part_max, part_sum, part_acc, seq_lens, tokens_per_split, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens, scale=None, num_splits=None,
+                                    k_scale=None, v_scale=None):
+    """The same attention, each sequence split into num_splits ranges (chosen from batch and length when None).
+
+    Shapes as paged_attention_decode: q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype;
+    k_scale, v_scale as there (8-bit pools only).
+    """
+    shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
+        num_splits = choose_num_splits(shape.num_seqs, shape.num_kv_heads, shape.max_seq_len, num_sms)
+    if not is_integer(num_splits) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return launch_paged_decode_split_kv(shape, q, k_cache, v_cache, block_tables, seq_lens, out, num_splits,
+                                        k_scale=k_scale, v_scale=v_scale)

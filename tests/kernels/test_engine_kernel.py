@@ -88,3 +88,29 @@ def test_every_step_runs_through_the_unified_kernel(preemption_mode, kv_cache_dt
     assert engine.kv_cache_manager.hits > 0, "later prompts must hit the shared prefix blocks"
     assert any(tokens > seqs for tokens, seqs in launches), "no prefill chunk went through the kernel"
     assert any(tokens == seqs for tokens, seqs in launches), "no decode-only step went through the kernel"
+
+
+def test_decode_steps_split_the_context_when_the_grid_is_small(monkeypatch):
+    """With splits allowed from 4 tokens on, decode-only steps go through split-KV and still equal generate."""
+    import kvlab.kernels.paged_decode as pa
+
+    monkeypatch.setattr(pa, "MIN_TOKENS_PER_SPLIT", 4)
+    split_launches = []
+    real = kvlab.kernels.launch_paged_decode_split_kv
+
+    def spy(shape, *args, **kwargs):
+        split_launches.append(shape.num_seqs)
+        return real(shape, *args, **kwargs)
+
+    monkeypatch.setattr(kvlab.kernels, "launch_paged_decode_split_kv", spy)
+    model = make_tiny_model("llama", num_kv_heads=2)
+    engine = LLMEngine(model, None, block_size=4, num_blocks=32, decode_backend="triton")
+    prompt = [5, 9, 13, 2, 7, 11, 3, 8, 1]
+    engine.add_request(0, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+    assert tokens == reference_generate(model, prompt, 6), "split-KV decode steps changed the output"
+    assert split_launches, "one sequence on 2 KV heads should have split its decode steps"

@@ -285,9 +285,9 @@ def test_bad_inputs_raise_before_launch_and_change_nothing(case, kernel_name, mo
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    for name in ("_paged_decode_split_kernel", "_split_reduce_kernel"):
-        monkeypatch.setattr(pa, name, NoLaunch())
-    monkeypatch.setattr(unified, "_unified_attention_kernel", NoLaunch())
+    monkeypatch.setattr(pa, "_split_reduce_kernel", NoLaunch())
+    for name in ("_unified_attention_kernel", "_paged_decode_split_kernel"):
+        monkeypatch.setattr(unified, name, NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args)
     for name, old, new in zip(("q", "k_cache", "v_cache", "block_tables", "seq_lens"), before, args):

@@ -312,9 +312,9 @@ def test_bad_quantized_inputs_raise_before_launch(case, kernel_name, monkeypatch
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    for name in ("_paged_decode_split_kernel", "_split_reduce_kernel"):
-        monkeypatch.setattr(pa, name, NoLaunch())
-    monkeypatch.setattr(unified, "_unified_attention_kernel", NoLaunch())
+    monkeypatch.setattr(pa, "_split_reduce_kernel", NoLaunch())
+    for name in ("_unified_attention_kernel", "_paged_decode_split_kernel"):
+        monkeypatch.setattr(unified, name, NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args, **scales)
     after = [_bytes(t) for t in args + list(scales.values()) if t.device.type != "meta"]
