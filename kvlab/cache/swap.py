@@ -49,7 +49,9 @@ class SwapSpace:
         src = torch.tensor(src_ids, dtype=torch.long, device=src_tensors[0].device)
         dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_tensors[0].device)
         for s, d in zip(src_tensors, dst_tensors):
-            d[dst] = s[src].to(d.device, non_blocking=True)
+            # Asynchronous only towards the device: a device-to-host copy into pageable memory may still be
+            # in flight when the index_put below reads it, so that one waits for its data.
+            d[dst] = s[src].to(d.device, non_blocking=d.device.type != "cpu")
 
     def swap_out(self, gpu_block_ids: list[int]) -> list[int] | None:
         """Copy these device blocks to free CPU blocks; returns the CPU block ids, or None when they do not fit."""

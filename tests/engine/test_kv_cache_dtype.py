@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_engine import assert_pool_empty, greedy  # Chapter 6's checks, the same for every kv_cache_dtype
 
-import kvlab.kernels  # noqa: F401  (on a CPU-only machine this switches Triton to its interpreter)
+import kvlab.kernels  # (on a CPU-only machine this switches Triton to its interpreter)
 from conftest import make_tiny_model
 from kvlab import LLM, BeamSearchParams, SamplingParams
 from kvlab.baselines.transformers_generate import reference_beam_search, reference_generate
@@ -156,8 +156,11 @@ def _tiny_run(model, kv_cache_dtype, decode_backend):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_the_triton_kernel_decodes_8_bit_pools_like_the_torch_path(kv_cache_dtype):
-    """Same tokens from the kernel (raw 8-bit pools + k_scale / v_scale) as from batched torch; int8 also = generate."""
-    model = make_tiny_model("llama")
+    """Same tokens from the kernel (raw 8-bit pools + k_scale / v_scale) as from batched torch; int8 also = generate.
+
+    On a GPU machine the kernels are compiled, so the model and pools go to CUDA (and the swap crosses PCIe).
+    """
+    model = make_tiny_model("llama").to("cpu" if kvlab.kernels.RUNS_IN_INTERPRETER else "cuda")
     torch_tokens, _ = _tiny_run(model, kv_cache_dtype, "torch")
     triton_tokens, engine = _tiny_run(model, kv_cache_dtype, "triton")
     assert engine.cache.decode_backend == "triton" and engine.cache.k_pools[0].element_size() == 1

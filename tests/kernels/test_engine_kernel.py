@@ -7,7 +7,7 @@ same test runs the compiled kernel, and test_gpu.py checks the embedded model th
 import pytest
 import torch
 
-import kvlab.kernels  # noqa: F401  (on a CPU-only machine this switches Triton to its interpreter)
+import kvlab.kernels  # (on a CPU-only machine this switches Triton to its interpreter)
 from conftest import make_tiny_model
 from kvlab import SamplingParams
 from kvlab.baselines.transformers_generate import reference_generate
@@ -15,11 +15,18 @@ from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.engine.llm_engine import LLMEngine
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 15, 16, 23, 42, 1, 6]]
+# Where the kernels can run in this process: CPU tensors in the interpreter, CUDA ones once compiled.
+DEVICE = torch.device("cpu" if kvlab.kernels.RUNS_IN_INTERPRETER else "cuda")
+
+
+def tiny_model(**kwargs):
+    """The tiny test model, on the device the kernels run on here."""
+    return make_tiny_model("llama", **kwargs).to(DEVICE)
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
 def test_engine_with_the_triton_decode_kernel_equals_generate(num_kv_heads):
-    model = make_tiny_model("llama", num_kv_heads=num_kv_heads)
+    model = tiny_model(num_kv_heads=num_kv_heads)
     engine = LLMEngine(model, None, block_size=8, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16,
                        decode_backend="triton")
     assert engine.cache.decode_backend == "triton"
@@ -36,17 +43,19 @@ def test_engine_with_the_triton_decode_kernel_equals_generate(num_kv_heads):
 
 
 def test_backend_choice_and_bad_backend(monkeypatch):
+    """auto follows the pools' device: the kernel for CUDA pools, batched torch for CPU ones."""
     model = make_tiny_model("llama")
-    auto = BatchedPagedKVCache.for_model(model, 4, 8)
-    expected = "triton" if torch.cuda.is_available() else "torch"
-    assert auto.decode_backend == expected, "auto picks the kernel only where a GPU is"
+    assert BatchedPagedKVCache.for_model(model, 4, 8).decode_backend == "torch", "CPU pools decode with torch"
+    if torch.cuda.is_available():
+        assert BatchedPagedKVCache.for_model(model.to("cuda"), 4, 8).decode_backend == "triton", \
+            "CUDA pools decode with the kernel"
+        model = model.to("cpu")
     assert BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="torch").decode_backend == "torch"
     with pytest.raises(ValueError, match="decode_backend must be one of auto, torch, triton"):
         BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="runs on a CUDA device"):
-            BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="triton")
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="triton")
 
 
 @pytest.mark.parametrize("preemption_mode, kv_cache_dtype", [("recompute", "auto"), ("swap", "auto"),
@@ -61,7 +70,7 @@ def test_every_step_runs_through_the_unified_kernel(preemption_mode, kv_cache_dt
         return real(shape, *args, **kwargs)
 
     monkeypatch.setattr(kvlab.kernels, "launch_paged_attention", spy)
-    model = make_tiny_model("llama", num_kv_heads=2)
+    model = tiny_model(num_kv_heads=2)
     shared = [7, 3, 9, 1, 12, 5, 8, 2]               # two blocks of 4 that later prompts hit
     prompts = [shared + [4, 6, 11], shared + [13], [10, 14, 3, 3, 5], shared + [4, 6, 11, 2]]
     engine = LLMEngine(model, None, block_size=4, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=7,
@@ -103,7 +112,7 @@ def test_decode_steps_split_the_context_when_the_grid_is_small(monkeypatch):
         return real(shape, *args, **kwargs)
 
     monkeypatch.setattr(kvlab.kernels, "launch_paged_decode_split_kv", spy)
-    model = make_tiny_model("llama", num_kv_heads=2)
+    model = tiny_model(num_kv_heads=2)
     engine = LLMEngine(model, None, block_size=4, num_blocks=32, decode_backend="triton")
     prompt = [5, 9, 13, 2, 7, 11, 3, 8, 1]
     engine.add_request(0, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
