@@ -1,25 +1,30 @@
-"""Chapter 7 on a GPU: how close does the Triton paged decode kernel come to the memory's peak bandwidth?
+"""Chapter 7 on a GPU: how close do the Triton paged-attention kernels come to the memory's bandwidth?
 
 Decode attention reads every cached key and value once per step and does little arithmetic on them,
-so its speed is best measured as bandwidth: bytes of Q, K and V read and of the output written,
-divided by the kernel's time, and compared with the GPU's peak (facts.md: T4 320 GB/s ... H200 4,800).
-For each batch size, context length and block size this script
-  1. checks the one-pass and split-KV kernels against the plain-torch reference at a small size,
-  2. times the one-pass kernel and split-KV (num_splits chosen automatically) with
-     triton.testing.do_bench, and keeps the faster,
-  3. times torch's scaled_dot_product_attention on the same keys and values stored contiguously
-     ([batch, kv_heads, context, head_dim], GQA through enable_gqa=True), and checks both agree,
-then prints a table and writes results.csv, bandwidth.png and vs_sdpa.png to --out.
+so its speed is best measured as bandwidth: the K/V bytes the sequences hold plus q and the output,
+divided by the kernel's time. The roofline is measured, not taken from a datasheet: a device-to-device
+copy of 1 GiB on the same GPU (bytes read + written over its time). For each batch size, context,
+block size and GQA ratio this script
+  1. checks the kernels against the plain-torch reference at a small size (it refuses to time a wrong one),
+  2. times, with triton.testing.do_bench (which flushes the L2 cache before every launch), the one-pass
+     decode (the unified kernel's one-token case) and split-KV with kvlab's choice of splits, on a pool
+     whose blocks are shuffled, and keeps the faster,
+  3. times the same kernels on the same K/V stored contiguously (block table 0, 1, 2, ...) at their best
+     split count: what paging itself costs,
+  4. times torch's scaled_dot_product_attention (flash backend where it takes the shapes) on the K/V stored
+     contiguously, [batch, kv_heads, context, head_dim],
+then mixed steps (decodes plus one prefill chunk, through the unified kernel in one launch, against SDPA on
+the same tokens), and a small autotune of the unified kernel over tile size, warps and pipeline stages.
+It prints tables and writes results.csv, mixed.csv, autotune.csv, bandwidth.png and vs_sdpa.png to --out.
 
-Shapes follow Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128); every sequence in a
-batch has the full context, its blocks scattered over the pool in random order. Configurations whose
-keys and values do not fit in 80% of free GPU memory (twice: pool and contiguous copy) are skipped.
-
-Run from the repository root (the full grid is 100 configurations, each timed three ways; --quick is 12)::
+Shapes follow Llama-3-8B's attention (32 query heads, head_dim 128) with 8 KV heads (GQA 4:1) and 4 (8:1).
+Configurations whose K/V do not fit beside their contiguous copy in free memory are skipped.
 
     python benchmarks/paged_attention_gpu.py [--quick] [--dtype bf16] [--out benchmarks/results]
 
-Without CUDA it prints why and exits 0.
+--quick (12 shapes x 2 GQA ratios, 2 mixed steps, 1 autotuned shape) takes about a minute on an H100-class
+GPU; the full grid (batch 1-256, context 512-32k, block sizes 16/32/64) a few minutes. Without CUDA it says
+so and exits 0.
 """
 
 from __future__ import annotations
@@ -27,49 +32,48 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
-# Peak memory bandwidth in GB/s (facts.md), matched against torch.cuda.get_device_name().
-PEAK_GBPS = [
-    (r"H200", 4800),
-    (r"H100.*(HBM3|SXM)", 3352),   # "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL differ
-    (r"A100.*SXM.*80GB", 2039),
-    (r"A100.*40GB", 1555),
-    (r"\bL4\b", 300),              # not L40/L40S
-    (r"\bT4\b", 320),
-]
-FULL_GRID = {"batch": (1, 4, 16, 64, 256), "context": (512, 2048, 8192, 32768), "block_size": (8, 16, 32, 64, 128)}
-QUICK_GRID = {"batch": (1, 16, 64), "context": (512, 4096), "block_size": (16, 64)}
-COLUMNS = ["dtype", "batch", "context", "block_size", "num_splits", "one_pass_us", "split_kv_us", "best",
-           "best_us", "sdpa_us", "mbytes", "best_gbps", "sdpa_gbps", "pct_of_peak", "sdpa_over_paged", "max_diff"]
-
-
-def peak_bandwidth_gbps(device_name: str) -> float | None:
-    """The GPU's peak memory bandwidth from facts.md's table, or None for a GPU it does not list."""
-    for pattern, gbps in PEAK_GBPS:
-        if re.search(pattern, device_name):
-            return gbps
-    return None
+FULL_GRID = {"batch": (1, 4, 16, 64, 256), "context": (512, 2048, 8192, 32768), "block_size": (16, 32, 64),
+             "gqa": (4, 8)}
+QUICK_GRID = {"batch": (1, 16, 64), "context": (512, 4096), "block_size": (16, 64), "gqa": (4, 8)}
+MIXED = {"full": [(16, 4096, 512), (64, 2048, 1024), (4, 8192, 2048)], "quick": [(16, 4096, 512), (64, 2048, 1024)]}
+AUTOTUNE = {"tile": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+COLUMNS = ["dtype", "gqa", "batch", "context", "block_size", "num_splits", "one_pass_us", "split_kv_us", "best",
+           "best_us", "contiguous_us", "sdpa_us", "sdpa_backend", "mbytes", "best_gbps", "sdpa_gbps", "pct_of_copy",
+           "sdpa_over_paged", "contiguous_over_paged", "max_diff"]
+MIXED_COLUMNS = ["dtype", "gqa", "decodes", "context", "prefill", "block_size", "unified_us", "sdpa_us",
+                 "sdpa_backend", "unified_over_sdpa", "max_diff"]
 
 
 def bytes_moved(batch, context, num_heads, num_kv_heads, head_dim, element_size) -> int:
-    """Bytes a decode step must move at least: read q, K and V once, write the output."""
+    """Bytes a decode step must move at least: the K/V the sequences hold, read once; q read, the output written."""
     q_and_out = 2 * batch * num_heads * head_dim
     k_and_v = 2 * batch * context * num_kv_heads * head_dim
     return (q_and_out + k_and_v) * element_size
 
 
-def make_inputs(batch, context, block_size, num_heads, num_kv_heads, head_dim, dtype, device, k=None, v=None, seed=0):
-    """Contiguous K, V [batch, kv_heads, context, head_dim] (random unless given) and the same values in a
-    shuffled pool.
+def measured_copy_gbps(device, bench, nbytes: int = 2**30) -> float:
+    """The roofline: GB/s of a device-to-device copy of nbytes on this GPU, bytes read plus bytes written."""
+    import torch
 
-    Returns q [batch, heads, head_dim], k, v, k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim],
-    block_tables int32 [batch, context // block_size] and seq_lens int32 [batch].
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def make_inputs(batch, context, block_size, num_heads, num_kv_heads, head_dim, dtype, device, k=None, v=None, seed=0,
+                shuffle=True):
+    """Contiguous K, V [batch, kv_heads, context, head_dim] (random unless given) and the same values in a pool.
+
+    shuffle: blocks placed in random order (as a long-running server's pool is); False: block i of sequence s
+    at s * blocks_per_seq + i, the contiguous layout. Returns q [batch, heads, head_dim], k, v, k_cache,
+    v_cache [num_blocks, block_size, kv_heads, head_dim], block_tables int32 and seq_lens int32 [batch].
     """
     import torch
 
@@ -80,7 +84,8 @@ def make_inputs(batch, context, block_size, num_heads, num_kv_heads, head_dim, d
     q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
-    placement = torch.randperm(num_blocks, generator=gen, device=device)   # logical block i -> physical block
+    placement = (torch.randperm(num_blocks, generator=gen, device=device) if shuffle
+                 else torch.arange(num_blocks, device=device))   # logical block i -> physical block
     pools = []
     for x in (k, v):
         pad = blocks_per_seq * block_size - context  # the last block's unused slots
@@ -92,16 +97,28 @@ def make_inputs(batch, context, block_size, num_heads, num_kv_heads, head_dim, d
     return q, k, v, pools[0], pools[1], block_tables, seq_lens
 
 
-def sdpa_decode(q, k, v, scale):
-    """torch's attention of one query per sequence over contiguous k, v [batch, kv_heads, context, head_dim]."""
-    import torch.nn.functional as F
+def sdpa(q, k, v, scale, causal=False):
+    """torch's attention, flash backend where it takes the shapes: q [B, H, T, D], k, v [B, Hkv, L, D].
 
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[:, :, 0]
+    Returns (out [B, H, T, D], the backend that ran).
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = k.shape[1] != q.shape[1]
+    for backend in (SDPBackend.FLASH_ATTENTION, None):
+        try:
+            if backend is None:
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa), "default"
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa), "flash"
+        except RuntimeError:
+            continue
+    raise AssertionError("unreachable: the default backend takes every shape")
 
 
 def check_small(block_size, num_heads, num_kv_heads, head_dim, dtype, device) -> float:
-    """Both kernels against the reference on three short sequences (1, 333 and 1,000 tokens); returns the max error."""
+    """The kernels against the reference on three short sequences (1, 333 and 1,000 tokens); returns the max error."""
     import torch
 
     from kvlab.kernels import paged_attention_decode, paged_attention_decode_reference, paged_attention_decode_split_kv
@@ -122,98 +139,220 @@ def check_small(block_size, num_heads, num_kv_heads, head_dim, dtype, device) ->
     return worst
 
 
-def time_config(batch, context, block_size, args, dtype, device, contiguous, sdpa_us):
-    """One row of the table: latencies, bandwidths and the agreement with SDPA for one configuration."""
+def _decode_launchers(batch, context, q, k_cache, v_cache, tables, lens, num_sms):
+    """(one-pass, split-KV) callables on validated inputs, with kvlab's split count, and that count."""
     import torch
-    from triton.testing import do_bench
 
     from kvlab.kernels import (
         allocate_split_workspace,
         choose_num_splits,
         launch_paged_decode,
         launch_paged_decode_split_kv,
+        split_plan,
         validate_paged_decode_inputs,
     )
-    from kvlab.kernels.paged_decode import split_plan
 
-    k, v = contiguous
-    q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, context, block_size, args.num_heads, args.num_kv_heads,
-                                                          args.head_dim, dtype, device, k=k, v=v)
     # Validate once, then time the launches alone: validation reads seq_lens and tables back to the host.
     shape = validate_paged_decode_inputs(q, k_cache, v_cache, tables, lens)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    _, num_splits = split_plan(context, choose_num_splits(batch, args.num_heads, context, num_sms))
-    workspace = allocate_split_workspace(batch, args.num_heads, num_splits, args.head_dim, device)
+    _, num_splits = split_plan(context, choose_num_splits(batch, shape.num_kv_heads, context, num_sms))
+    workspace = allocate_split_workspace(batch, shape.num_heads, num_splits, shape.head_dim, q.device)
     out_one, out_split = torch.empty_like(q), torch.empty_like(q)
     inputs = (q, k_cache, v_cache, tables, lens)
-    one_pass_ms = do_bench(lambda: launch_paged_decode(shape, *inputs, out_one))
-    split_ms = do_bench(lambda: launch_paged_decode_split_kv(shape, *inputs, out_split, num_splits,
-                                                             workspace=workspace))
+    return (lambda: launch_paged_decode(shape, *inputs, out_one),
+            lambda: launch_paged_decode_split_kv(shape, *inputs, out_split, num_splits, workspace=workspace),
+            num_splits, shape.scale, out_one, out_split)
+
+
+def time_config(batch, context, block_size, num_kv_heads, args, dtype, device, contiguous, sdpa_result, bench,
+                num_sms, copy_gbps):
+    """One row of the table: latencies, bandwidths and the agreement with SDPA for one configuration.
+
+    sdpa_result: (microseconds, backend) already measured for this batch and context, or None.
+    """
+    k, v = contiguous
+    q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, context, block_size, args.num_heads, num_kv_heads,
+                                                          args.head_dim, dtype, device, k=k, v=v)
+    one_pass, split, num_splits, scale, out_one, out_split = _decode_launchers(batch, context, q, k_cache, v_cache,
+                                                                               tables, lens, num_sms)
+    one_pass_ms, split_ms = bench(one_pass), bench(split)
     best, best_ms = ("one-pass", one_pass_ms) if one_pass_ms <= split_ms else ("split-KV", split_ms)
-    reference = sdpa_decode(q, k, v, shape.scale).float()
+    # The same kernels on the same values stored in order: what the shuffled blocks cost.
+    _, _, _, k_flat, v_flat, flat_tables, _ = make_inputs(batch, context, block_size, args.num_heads, num_kv_heads,
+                                                          args.head_dim, dtype, device, k=k, v=v, shuffle=False)
+    flat_one, flat_split, *_ = _decode_launchers(batch, context, q, k_flat, v_flat, flat_tables, lens, num_sms)
+    contiguous_ms = min(bench(flat_one), bench(flat_split))
+    reference, backend = sdpa(q[:, :, None], k, v, scale)
+    reference = reference[:, :, 0].float()
+    one_pass()
+    split()
     max_diff = max((out_one.float() - reference).abs().max().item(), (out_split.float() - reference).abs().max().item())
-    moved = bytes_moved(batch, context, args.num_heads, args.num_kv_heads, args.head_dim, q.element_size())
-    if sdpa_us is None:
-        sdpa_us = do_bench(lambda: sdpa_decode(q, k, v, shape.scale)) * 1e3
+    moved = bytes_moved(batch, context, args.num_heads, num_kv_heads, args.head_dim, q.element_size())
+    if sdpa_result is None:
+        sdpa_result = (bench(lambda: sdpa(q[:, :, None], k, v, scale)) * 1e3, backend)
+    sdpa_us, sdpa_backend = sdpa_result
     best_gbps = moved / (best_ms * 1e-3) / 1e9
     return {
-        "dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "block_size": block_size,
-        "num_splits": num_splits, "one_pass_us": one_pass_ms * 1e3, "split_kv_us": split_ms * 1e3, "best": best,
-        "best_us": best_ms * 1e3, "sdpa_us": sdpa_us, "mbytes": moved / 1e6, "best_gbps": best_gbps,
-        "sdpa_gbps": moved / (sdpa_us * 1e-6) / 1e9,
-        "pct_of_peak": 100 * best_gbps / args.peak if args.peak else float("nan"),
-        "sdpa_over_paged": sdpa_us / (best_ms * 1e3), "max_diff": max_diff,
+        "dtype": str(dtype).removeprefix("torch."), "gqa": args.num_heads // num_kv_heads, "batch": batch,
+        "context": context, "block_size": block_size, "num_splits": num_splits, "one_pass_us": one_pass_ms * 1e3,
+        "split_kv_us": split_ms * 1e3, "best": best, "best_us": best_ms * 1e3, "contiguous_us": contiguous_ms * 1e3,
+        "sdpa_us": sdpa_us, "sdpa_backend": sdpa_backend, "mbytes": moved / 1e6, "best_gbps": best_gbps,
+        "sdpa_gbps": moved / (sdpa_us * 1e-6) / 1e9, "pct_of_copy": 100 * best_gbps / copy_gbps,
+        "sdpa_over_paged": sdpa_us / (best_ms * 1e3), "contiguous_over_paged": contiguous_ms / best_ms,
+        "max_diff": max_diff,
     }
 
 
-def print_table(rows, peak):
-    """The results as an aligned text table (bandwidth in GB/s, times in microseconds)."""
-    header = (f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'1-pass us':>9} {'split us':>9} "
-              f"{'SDPA us':>9} {'GB/s':>7} {'% peak':>6} {'SDPA/paged':>10} {'max diff':>8}")
+def mixed_step(decodes, context, prefill, block_size, num_heads, num_kv_heads, head_dim, dtype, device, seed=0):
+    """A step of `decodes` decodes at `context` and one `prefill`-token prompt, on a shuffled pool.
+
+    Returns the unified kernel's inputs (q [decodes + prefill, H, D], pools, tables, seq_lens, query_start_loc)
+    and the same values contiguously for SDPA: (q_decode [decodes, H, 1, D], k, v [decodes, Hkv, context, D],
+    q_prefill [1, H, prefill, D], k_p, v_p [1, Hkv, prefill, D]).
+    """
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [context] * decodes + [prefill]
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq)
+    k_pool = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    v_pool = torch.zeros_like(k_pool)
+    placement = torch.randperm(num_blocks, generator=gen, device=device)
+    tables = torch.zeros(len(lens), max(blocks_per_seq), dtype=torch.int32, device=device)
+    contiguous, first = [], 0
+    for i, (n, blocks) in enumerate(zip(lens, blocks_per_seq)):
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+        ids = placement[first:first + blocks]
+        first += blocks
+        tables[i, :blocks] = ids.to(torch.int32)
+        pad = blocks * block_size - n
+        for pool, x in ((k_pool, k), (v_pool, v)):
+            padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
+            pool[ids] = padded.view(blocks, block_size, num_kv_heads, head_dim)
+        contiguous.append((k.transpose(0, 1), v.transpose(0, 1)))   # [Hkv, n, D]
+    q = torch.randn(decodes + prefill, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    starts = torch.tensor([*range(decodes + 1), decodes + prefill], dtype=torch.int32, device=device)
+    k_dec = torch.stack([kc for kc, _ in contiguous[:decodes]]) if decodes else None
+    v_dec = torch.stack([vc for _, vc in contiguous[:decodes]]) if decodes else None
+    q_dec = q[:decodes, :, None]                                   # [decodes, H, 1, D]
+    q_pre = q[decodes:].transpose(0, 1)[None]                      # [1, H, prefill, D]
+    k_pre, v_pre = (x[None] for x in contiguous[-1])
+    return (q, k_pool, v_pool, tables, seq_lens, starts), (q_dec, k_dec, v_dec, q_pre, k_pre, v_pre)
+
+
+def time_mixed(decodes, context, prefill, block_size, num_kv_heads, args, dtype, device, bench):
+    """One mixed step through the unified kernel against SDPA on the same tokens (decodes, then a causal prefill)."""
+    import torch
+
+    from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
+
+    unified_inputs, (q_dec, k_dec, v_dec, q_pre, k_pre, v_pre) = mixed_step(
+        decodes, context, prefill, block_size, args.num_heads, num_kv_heads, args.head_dim, dtype, device)
+    shape = validate_paged_attention_inputs(*unified_inputs)
+    out = torch.empty_like(unified_inputs[0])
+    unified_ms = bench(lambda: launch_paged_attention(shape, *unified_inputs, out))
+
+    def torch_step():
+        dec, backend = sdpa(q_dec, k_dec, v_dec, shape["scale"])
+        pre, _ = sdpa(q_pre, k_pre, v_pre, shape["scale"], causal=True)
+        return dec, pre, backend
+
+    sdpa_ms = bench(torch_step)
+    launch_paged_attention(shape, *unified_inputs, out)
+    dec, pre, backend = torch_step()
+    reference = torch.cat([dec[:, :, 0], pre[0].transpose(0, 1)]).float()
+    return {"dtype": str(dtype).removeprefix("torch."), "gqa": args.num_heads // num_kv_heads, "decodes": decodes,
+            "context": context, "prefill": prefill, "block_size": block_size, "unified_us": unified_ms * 1e3,
+            "sdpa_us": sdpa_ms * 1e3, "sdpa_backend": backend, "unified_over_sdpa": unified_ms / sdpa_ms,
+            "max_diff": (out.float() - reference).abs().max().item()}
+
+
+def autotune(batch, context, block_size, num_kv_heads, args, dtype, device, bench) -> list[dict]:
+    """The unified decode over tile x num_warps x num_stages on one shape; rows sorted fastest first."""
+    import torch
+
+    from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
+
+    q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, context, block_size, args.num_heads, num_kv_heads,
+                                                          args.head_dim, dtype, device)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    shape = validate_paged_attention_inputs(q, k_cache, v_cache, tables, lens, starts)
+    out = torch.empty_like(q)
+    rows = []
+    for tile in AUTOTUNE["tile"]:
+        for num_warps in AUTOTUNE["num_warps"]:
+            for num_stages in AUTOTUNE["num_stages"]:
+                def run(tile=tile, num_warps=num_warps, num_stages=num_stages):
+                    return launch_paged_attention(shape, q, k_cache, v_cache, tables, lens, starts, out, tile=tile,
+                                                  num_warps=num_warps, num_stages=num_stages)
+                try:
+                    us = bench(run) * 1e3
+                except Exception as err:  # e.g. out of shared memory for a large tile with many stages
+                    rows.append({"tile": tile, "num_warps": num_warps, "num_stages": num_stages, "us": float("nan"),
+                                 "note": f"{type(err).__name__}"})
+                    continue
+                rows.append({"tile": tile, "num_warps": num_warps, "num_stages": num_stages, "us": us, "note": ""})
+    return sorted(rows, key=lambda r: (math.isnan(r["us"]), r["us"]))
+
+
+def print_table(rows):
+    """The decode results as an aligned text table (bandwidth in GB/s, times in microseconds)."""
+    header = (f"{'gqa':>3} {'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'1-pass us':>9} {'split us':>9} "
+              f"{'contig us':>9} {'SDPA us':>9} {'GB/s':>7} {'% copy':>6} {'SDPA/paged':>10} {'max diff':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        pct = f"{r['pct_of_peak']:6.1f}" if peak else f"{'-':>6}"
-        print(f"{r['batch']:5d} {r['context']:7d} {r['block_size']:5d} {r['num_splits']:6d} {r['one_pass_us']:9.1f} "
-              f"{r['split_kv_us']:9.1f} {r['sdpa_us']:9.1f} {r['best_gbps']:7.0f} {pct} {r['sdpa_over_paged']:10.2f} "
-              f"{r['max_diff']:8.1e}")
+        print(f"{r['gqa']:3d} {r['batch']:5d} {r['context']:7d} {r['block_size']:5d} {r['num_splits']:6d} "
+              f"{r['one_pass_us']:9.1f} {r['split_kv_us']:9.1f} {r['contiguous_us']:9.1f} {r['sdpa_us']:9.1f} "
+              f"{r['best_gbps']:7.0f} {r['pct_of_copy']:6.1f} {r['sdpa_over_paged']:10.2f} {r['max_diff']:8.1e}")
 
 
-def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
-    """results.csv, and two plots: bandwidth against context per block size, and SDPA time over paged time."""
+def _write_csv(path: Path, columns, rows) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in r.items()}
+                         for r in rows)
+    return path
+
+
+def write_outputs(rows, mixed, tuned, out_dir: Path, title: str, copy_gbps: float) -> list[Path]:
+    """results.csv, mixed.csv, autotune.csv, and two plots: bandwidth against context, SDPA time over paged time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "results.csv"]
-    with open(written[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in r.items()}
-                         for r in rows)
-
+    written = [_write_csv(out_dir / "results.csv", COLUMNS, rows)]
+    if mixed:
+        written.append(_write_csv(out_dir / "mixed.csv", MIXED_COLUMNS, mixed))
+    if tuned:
+        written.append(_write_csv(out_dir / "autotune.csv", list(tuned[0]), tuned))
+    if not rows:
+        return written
     block_sizes = sorted({r["block_size"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
     colors = dict(zip(batches, plt.cm.viridis([i / max(1, len(batches) - 1) for i in range(len(batches))])))
     fig, axes = plt.subplots(1, len(block_sizes), figsize=(4 * len(block_sizes), 3.6), sharey=True, squeeze=False)
+    gqa = max(r["gqa"] for r in rows)
     for ax, block_size in zip(axes[0], block_sizes):
         for batch in batches:
             pts = sorted((r["context"], r["best_gbps"], r["sdpa_gbps"]) for r in rows
-                         if r["block_size"] == block_size and r["batch"] == batch)
+                         if r["block_size"] == block_size and r["batch"] == batch and r["gqa"] == gqa)
             if pts:
-                ctx, paged, sdpa = zip(*pts)
+                ctx, paged, torch_sdpa = zip(*pts)
                 ax.plot(ctx, paged, "o-", color=colors[batch], label=f"batch {batch}")
-                ax.plot(ctx, sdpa, "x--", color=colors[batch], alpha=0.5)
-        if peak:
-            ax.axhline(peak, color="gray", lw=1, ls=":")
+                ax.plot(ctx, torch_sdpa, "x--", color=colors[batch], alpha=0.5)
+        ax.axhline(copy_gbps, color="gray", lw=1, ls=":")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"block size {block_size}")
+        ax.set_title(f"block size {block_size}, GQA {gqa}:1")
         ax.set_xlabel("context (tokens)")
     axes[0][0].set_ylabel("GB/s (o paged, x SDPA)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(title + (f"; peak {peak} GB/s dotted" if peak else ""), fontsize=9)
+    fig.suptitle(f"{title}; measured copy {copy_gbps:.0f} GB/s dotted", fontsize=9)
     fig.tight_layout()
     written.append(out_dir / "bandwidth.png")
     fig.savefig(written[-1], dpi=120)
@@ -223,14 +362,14 @@ def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
     longest = max(r["context"] for r in rows)
     for batch in batches:
         pts = sorted((r["block_size"], r["sdpa_over_paged"]) for r in rows
-                     if r["batch"] == batch and r["context"] == longest)
+                     if r["batch"] == batch and r["context"] == longest and r["gqa"] == gqa)
         if pts:
             ax.plot(*zip(*pts), "o-", color=colors[batch], label=f"batch {batch}")
     ax.axhline(1.0, color="gray", lw=1, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size (tokens)")
     ax.set_ylabel("SDPA time / paged time")
-    ax.set_title(f"{title}; context {longest} (above 1: paged faster)", fontsize=9)
+    ax.set_title(f"{title}; context {longest}, GQA {gqa}:1 (above 1: paged faster)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     written.append(out_dir / "vs_sdpa.png")
@@ -239,15 +378,55 @@ def write_outputs(rows, out_dir: Path, title: str, peak) -> list[Path]:
     return written
 
 
+def run(args, device, bench, num_sms, log=print) -> dict:
+    """Every measurement of one run (device and timer given, so a CPU smoke test can drive it): the rows."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    grid = args.grid
+    copy_gbps = measured_copy_gbps(device, bench, args.copy_bytes)
+    log(f"roofline: a device-to-device copy moves {copy_gbps:.0f} GB/s on this device")
+    for block_size in grid["block_size"]:
+        for gqa in grid["gqa"]:
+            check_small(block_size, args.num_heads, args.num_heads // gqa, args.head_dim, dtype, device)
+    rows, skipped = [], []
+    configs = [(g, b, c) for g in grid["gqa"] for c in grid["context"] for b in grid["batch"]]
+    progress = args.progress(total=len(configs) * len(grid["block_size"]), desc="timing decode", unit="config")
+    for gqa, batch, context in configs:
+        num_kv_heads = args.num_heads // gqa
+        kv_bytes = 2 * batch * context * num_kv_heads * args.head_dim * dtype.itemsize
+        if device.type == "cuda" and 3.2 * kv_bytes > 0.8 * torch.cuda.mem_get_info(device)[0]:
+            skipped.append(f"GQA {gqa}:1 batch {batch} x context {context} ({kv_bytes / 2**30:.1f} GiB of K and V)")
+            progress.update(len(grid["block_size"]))
+            continue
+        gen = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
+        shape = (batch, num_kv_heads, context, args.head_dim)
+        contiguous = (torch.randn(shape, generator=gen, device=device, dtype=dtype),
+                      torch.randn(shape, generator=gen, device=device, dtype=dtype))
+        sdpa_result = None  # SDPA does not depend on the block size: time it once per batch and context
+        for block_size in grid["block_size"]:
+            row = time_config(batch, context, block_size, num_kv_heads, args, dtype, device, contiguous, sdpa_result,
+                              bench, num_sms, copy_gbps)
+            sdpa_result = (row["sdpa_us"], row["sdpa_backend"])
+            rows.append(row)
+            progress.update(1)
+        del contiguous
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    progress.close()
+    mixed = [time_mixed(decodes, context, prefill, block_size, args.num_heads // gqa, args, dtype, device, bench)
+             for decodes, context, prefill in args.mixed for gqa in grid["gqa"][:1] for block_size in (16,)]
+    batch, context = args.autotune_shape
+    tuned = autotune(batch, context, 16, args.num_heads // grid["gqa"][0], args, dtype, device, bench)
+    return {"rows": rows, "mixed": mixed, "tuned": tuned, "skipped": skipped, "copy_gbps": copy_gbps}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a small grid: batch 1/16/64, context 512/4096, block 16/64")
+    parser.add_argument("--quick", action="store_true", help="batch 1/16/64, context 512/4096, block 16/64")
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--peak-gbps", type=float, help="the GPU's peak bandwidth, if the built-in table lacks it")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
@@ -258,13 +437,13 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("skipped: no CUDA GPU here. This benchmark times compiled Triton kernels; on a CPU the kernels run "
-              "in Triton's interpreter, which says nothing about speed "
-              "(python -m pytest tests/kernels/test_paged_attention_kernel.py "
-              "checks them there, and python -m kvlab.kernels.aot compiles them for sm_75/80/90).")
+              "in Triton's interpreter, which says nothing about speed (tests/kernels checks them there, "
+              "python -m kvlab.kernels.aot compiles them for sm_75/80/90 and reports registers and spills).")
         return 0
     try:
         import triton  # noqa: F401
         from tqdm import tqdm
+        from triton.testing import do_bench
     except ImportError as e:
         print(f"skipped: {e.name} is not installed")
         return 0
@@ -272,8 +451,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     major, minor = torch.cuda.get_device_capability(device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    if dtype == torch.bfloat16 and major < 8:
+    if args.dtype == "bf16" and major < 8:
         print(f"skipped: {name} (sm_{major}{minor}) has no bf16; run with --dtype fp16")
         return 0
     import kvlab.kernels as kernels
@@ -281,49 +459,31 @@ def main(argv=None) -> int:
     if kernels.RUNS_IN_INTERPRETER:
         print("TRITON_INTERPRET=1 is set: unset it to time compiled kernels")
         return 1
-    args.peak = args.peak_gbps or peak_bandwidth_gbps(name)
-    grid = QUICK_GRID if args.quick else FULL_GRID
-    title = (f"{name}, {args.dtype}, {args.num_heads} heads / {args.num_kv_heads} KV heads, head_dim {args.head_dim}")
-    print(title + (f", peak {args.peak:.0f} GB/s" if args.peak
-                   else ", peak unknown (pass --peak-gbps): bandwidth only"))
-
-    for block_size in tqdm(grid["block_size"], desc="correctness vs reference", unit="block size"):
-        check_small(block_size, args.num_heads, args.num_kv_heads, args.head_dim, dtype, device)
-
-    rows, skipped = [], []
-    configs = [(b, c) for c in grid["context"] for b in grid["batch"]]
-    progress = tqdm(total=len(configs) * len(grid["block_size"]), desc="timing", unit="config")
-    for batch, context in configs:
-        kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * dtype.itemsize
-        if 2.6 * kv_bytes > 0.8 * torch.cuda.mem_get_info(device)[0]:  # contiguous copy + pool + one transient copy
-            skipped.append(f"batch {batch} x context {context} ({kv_bytes / 2**30:.1f} GiB of K and V)")
-            progress.update(len(grid["block_size"]))
-            continue
-        gen = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
-        shape = (batch, args.num_kv_heads, context, args.head_dim)
-        contiguous = (torch.randn(shape, generator=gen, device=device, dtype=dtype),
-                      torch.randn(shape, generator=gen, device=device, dtype=dtype))
-        sdpa_us = None  # SDPA does not depend on the block size: time it once per batch and context
-        for block_size in grid["block_size"]:
-            progress.set_postfix(batch=batch, context=context, block=block_size)
-            row = time_config(batch, context, block_size, args, dtype, device, contiguous, sdpa_us)
-            sdpa_us = row["sdpa_us"]
-            if row["max_diff"] > (2e-2 if dtype == torch.bfloat16 else 5e-3):
-                tqdm.write(f"warning: batch {batch} context {context} block {block_size}: "
-                           f"paged and SDPA differ by {row['max_diff']:.3g}")
-            rows.append(row)
-            progress.update(1)
-        del contiguous
-        torch.cuda.empty_cache()
-    progress.close()
-
+    args.grid = QUICK_GRID if args.quick else FULL_GRID
+    args.mixed = MIXED["quick" if args.quick else "full"]
+    args.autotune_shape = (16, 4096)
+    args.copy_bytes = 2**30
+    args.progress = tqdm
+    title = f"{name}, {args.dtype}, {args.num_heads} heads, head_dim {args.head_dim}"
+    print(title)
+    results = run(args, device, do_bench, torch.cuda.get_device_properties(device).multi_processor_count,
+                  log=tqdm.write)
     print()
-    print_table(rows, args.peak)
-    for line in skipped:
+    print_table(results["rows"])
+    print("\nmixed steps (decodes + one prefill chunk, one unified launch) against SDPA on the same tokens:")
+    for r in results["mixed"]:
+        print(f"  {r['decodes']:3d} decodes at {r['context']:5d} + a {r['prefill']:4d}-token prefill, "
+              f"GQA {r['gqa']}:1: "
+              f"unified {r['unified_us']:8.1f} us, SDPA {r['sdpa_us']:8.1f} us ({r['sdpa_backend']}), "
+              f"ratio {r['unified_over_sdpa']:.2f}, max diff {r['max_diff']:.1e}")
+    best = results["tuned"][0]
+    print(f"\nautotune (batch {args.autotune_shape[0]}, context {args.autotune_shape[1]}): "
+          f"fastest tile {best['tile']}, {best['num_warps']} warps, {best['num_stages']} stages: {best['us']:.1f} us")
+    for line in results["skipped"]:
         print(f"skipped (memory): {line}")
-    if rows:
-        for path in write_outputs(rows, args.out, title, args.peak):
-            print(f"wrote {path}")
+    for path in write_outputs(results["rows"], results["mixed"], results["tuned"], args.out, title,
+                              results["copy_gbps"]):
+        print(f"wrote {path}")
     return 0
 
 

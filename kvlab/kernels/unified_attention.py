@@ -338,7 +338,7 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *, num_tokens, num_seqs, num_heads,
-            num_kv_heads, head_dim, block_size, scale, tile, k_scale, v_scale):
+            num_kv_heads, head_dim, block_size, scale, tile, k_scale, v_scale, num_warps=None, num_stages=None):
     quantized = _is_quantized(k_cache, k_scale, v_scale)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -361,7 +361,8 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile, QUANTIZED=quantized,
-            DOT_FP32=dot_fp32, num_warps=num_warps_for(block_m, head_dim_pad, tile),
+            DOT_FP32=dot_fp32, num_warps=num_warps or num_warps_for(block_m, head_dim_pad, tile),
+            **({"num_stages": num_stages} if num_stages else {}),
         )
     return out
 
@@ -372,12 +373,17 @@ def num_warps_for(block_m: int, head_dim_pad: int, tile: int) -> int:
 
 
 def launch_paged_attention(shape: dict, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                           tile=None, k_scale=None, v_scale=None):
-    """Launch the unified kernel on validated inputs (shape from validate_paged_attention_inputs); no host sync."""
+                           tile=None, k_scale=None, v_scale=None, num_warps=None, num_stages=None):
+    """Launch the unified kernel on validated inputs (shape from validate_paged_attention_inputs); no host sync.
+
+    tile, num_warps, num_stages: None for the defaults (tile_for, num_warps_for, Triton's); the benchmark's
+    autotune passes others.
+    """
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                    num_tokens=shape["num_tokens"], num_seqs=shape["num_seqs"], num_heads=shape["num_heads"],
                    num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], block_size=shape["block_size"],
-                   scale=shape["scale"], tile=tile, k_scale=k_scale, v_scale=v_scale)
+                   scale=shape["scale"], tile=tile, k_scale=k_scale, v_scale=v_scale, num_warps=num_warps,
+                   num_stages=num_stages)
 
 
 def launch_paged_decode(shape: PagedDecodeShape, q, k_cache, v_cache, block_tables, seq_lens, out, tile=None,

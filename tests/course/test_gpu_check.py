@@ -13,8 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-# Kernel tests that need CUDA hidden (ahead-of-time compiles), so they do not belong to the GPU run.
-CPU_ONLY = {"tests/kernels/test_kernel_aot.py"}
+# Kernel tests that need CUDA hidden (ahead-of-time compiles) or drive the benchmark on CPU: not for the GPU run.
+CPU_ONLY = {"tests/kernels/test_kernel_aot.py", "tests/kernels/test_gpu_benchmark.py"}
 
 
 def listed_tests() -> list[str]:
