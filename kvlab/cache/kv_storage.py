@@ -129,10 +129,17 @@ class KVStorage:
             raise ValueError(f"slot {int(bad)} is outside the pool of {self.num_slots} slots "
                              f"({self.num_blocks} blocks of {self.block_size})")
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
-        """Store new k, v [T, Hkv, D] at their slots of layer layer_idx's pools (all checks before any change)."""
-        slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
-        self._check_slots(slot_mapping, k.shape[0])
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, checked: bool = False) -> None:
+        """Store new k, v [T, Hkv, D] at their slots of layer layer_idx's pools (all checks before any change).
+
+        checked=True: slot_mapping is a long tensor on the pools' device whose slots were already checked
+        (once per forward pass, by the paged cache), so no layer reads it back from the device.
+        """
+        if not checked:
+            slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
+            self._check_slots(slot_mapping, k.shape[0])
+        elif slot_mapping.shape != (k.shape[0],):
+            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({k.shape[0]},)")
         self._store(layer_idx, k, v, slot_mapping)
 
     def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

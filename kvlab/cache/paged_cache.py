@@ -129,6 +129,11 @@ class PagedKVCache:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {length} tokens")
             if any(not 0 <= b < self.num_blocks for b in table):
                 raise ValueError(f"block table {table} names a block outside the pool of {self.num_blocks}")
+        # The slots are checked here, once per pass and on the host, then moved to the pools' device once:
+        # the layers write with them without reading anything back from the device.
+        slots = torch.as_tensor(batch.slot_mapping, dtype=torch.long)
+        self.storage._check_slots(slots.cpu(), len(slots))
+        self._slots = slots.to(self.storage.device, non_blocking=True)
         self.batch = batch
         self._plan = None  # built on the first layer's attend, reused by every other layer
 
@@ -137,7 +142,7 @@ class PagedKVCache:
         batch = self.batch
         if batch is None:
             raise RuntimeError(f"call set_batch(...) before running the model on a {type(self).__name__}")
-        self.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mapping)
+        self.storage.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), self._slots, checked=True)
         if self._plan is None:
             self._plan = self.attn_backend.plan(batch, self.block_size, self.storage.device) or {}
         return self.attn_backend.attend(self.storage, layer_idx, query, batch, self._plan, scaling)[None]
