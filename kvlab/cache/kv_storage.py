@@ -192,12 +192,19 @@ class QuantizedKVStorage(KVStorage):
         self._k_scales = [torch.full((num_blocks, num_kv_heads), SCALE_FLOOR, device=device) for _ in range(num_layers)]
         self._v_scales = [torch.full((num_blocks, num_kv_heads), SCALE_FLOOR, device=device) for _ in range(num_layers)]
         self.static = [False] * num_layers  # True once set_scales fixed the layer's scales
-        self.num_requantized = 0            # (block, head) pairs whose stored values were rounded a second time
+        # (block, head) pairs whose stored values were rounded a second time: counted on the pools' device,
+        # so a write never waits for the GPU; read through num_requantized.
+        self._requantized = torch.zeros((), dtype=torch.long, device=device)
 
     @property
     def k_scales(self) -> list[torch.Tensor]:
         """K's scale per (block, KV head) for every layer: [num_blocks, Hkv] float32 each."""
         return self._k_scales
+
+    @property
+    def num_requantized(self) -> int:
+        """(block, KV head) pairs whose stored values were rounded again when their scale grew."""
+        return int(self._requantized)
 
     @property
     def v_scales(self) -> list[torch.Tensor]:
@@ -217,15 +224,15 @@ class QuantizedKVStorage(KVStorage):
             old = scales[touched]
             base = torch.where(fresh[:, None], torch.full_like(old, SCALE_FLOOR), old)
             new = torch.maximum(base, amax / self.qmax)  # [n, Hkv]
-            # Existing values of a block whose scale grows are rounded again at the new scale.
+            # Existing values of a block whose scale grows are rounded again at the new scale. Every touched
+            # block goes through it, with no test that would read a flag back from the device: where the scale
+            # stayed, dividing by the scale it was multiplied by gives back the stored value exactly.
             grown = (new > base) & ~fresh[:, None]
-            rows = grown.any(dim=1)  # [n] blocks with at least one head to requantise
-            if bool(rows.any()):
-                kept = dequantize(pool[touched[rows]], old[rows][:, None, :])  # [m, block_size, Hkv, D]
-                pool[touched[rows]] = quantize(kept, new[rows][:, None, :], self.kv_cache_dtype)
-                self.num_requantized += int(grown.sum())
-            if bool(fresh.any()):
-                pool[touched[fresh]] = torch.zeros((), dtype=pool.dtype, device=pool.device)  # stale values go
+            kept = quantize(dequantize(pool[touched], old[:, None, :]), new[:, None, :], self.kv_cache_dtype)
+            # A block that starts afresh drops whatever a previous owner left in it.
+            pool[touched] = torch.where(fresh[:, None, None, None], torch.zeros((), dtype=pool.dtype,
+                                                                                device=pool.device), kept)
+            self._requantized += grown.sum()
             scales[touched] = new
         flat = pool.view(self.num_slots, *pool.shape[2:])
         flat[slot_mapping] = quantize(x, scales[blocks], self.kv_cache_dtype)

@@ -50,6 +50,8 @@ def forward(model, input_ids, positions, cache) -> torch.Tensor:
 
     input_ids, positions: [T] token ids and their absolute positions in their sequence.
     """
+    # The position check reads host values: a list checked before it moves costs the GPU no sync.
+    highest = max(positions, default=-1) if not isinstance(positions, torch.Tensor) else None
     input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.device)
     positions = torch.as_tensor(positions, dtype=torch.long, device=model.device)
     if input_ids.ndim != 1 or input_ids.shape != positions.shape:
@@ -60,8 +62,9 @@ def forward(model, input_ids, positions, cache) -> torch.Tensor:
     if input_ids.numel() == 0:
         raise ValueError("forward needs at least one token")
     limit = context_length(model)
-    if int(positions.max()) >= limit:
-        raise ValueError(f"position {int(positions.max())} is beyond the model's context of {limit} tokens")
+    highest = int(positions.max()) if highest is None else int(highest)
+    if highest >= limit:
+        raise ValueError(f"position {highest} is beyond the model's context of {limit} tokens")
     with kvlab_attention(model):
         out = model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, kv_cache=cache)
     return out.logits[0]
