@@ -229,22 +229,16 @@ def _check_kv_scales(k_cache, k_scale, v_scale, num_blocks: int, num_kv_heads: i
                              f"(real value = stored * scale; an all-zero block still needs a scale > 0)")
 
 
-def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
-                                 v_scale=None) -> PagedDecodeShape:
-    """Check a decode call's inputs without launching anything; raise ValueError naming what is wrong.
+def check_query_and_pools(named, q, k_cache, v_cache, k_scale=None, v_scale=None, q_dims="num_seqs") -> None:
+    """The checks every kernel call shares: tensors, shapes, one device, dtypes, head counts, strides and scales.
 
-    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs].
-    Quantized pools (int8, or float8_e4m3fn where torch has it) also need k_scale and v_scale: float32
-    [num_blocks, num_kv_heads], contiguous, positive and finite; q stays float32, float16 or bfloat16.
+    named: (name, tensor) of every input, for the type and device checks; q_dims names q's first dim.
     """
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-             ("seq_lens", seq_lens))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if q.ndim != 3:
-        raise ValueError(f"q must have 3 dims [num_seqs, num_heads, head_dim]; got shape {tuple(q.shape)}")
+        raise ValueError(f"q must have 3 dims [{q_dims}, num_heads, head_dim]; got shape {tuple(q.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.ndim != 4:
             raise ValueError(f"{name} must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim]; "
@@ -269,7 +263,7 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
         raise ValueError(f"q, k_cache and v_cache must share one dtype (or the pools share one 8-bit dtype); got "
                          f"{_dtype_name(q.dtype)}, {_dtype_name(k_cache.dtype)} and {_dtype_name(v_cache.dtype)}")
 
-    num_seqs, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if head_dim != cache_head_dim:
         raise ValueError(f"q has head_dim {head_dim} but the caches have head_dim {cache_head_dim}")
@@ -287,35 +281,26 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
                          f"{k_cache.stride()} and {v_cache.stride()} (call .contiguous() on the pools once)")
     _check_kv_scales(k_cache, k_scale, v_scale, num_blocks, num_kv_heads)
 
-    for name, t, dims in (("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]"),
-                          ("seq_lens", seq_lens, "[num_seqs]")):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 (what the kernel reads); got {_dtype_name(t.dtype)}")
-        if t.ndim != dims.count(",") + 1 or t.shape[0] != num_seqs:
-            raise ValueError(f"{name} must have shape {dims} with num_seqs = {num_seqs} (q's first dim); "
-                             f"got {tuple(t.shape)}")
-    max_blocks_per_seq = block_tables.shape[1]
 
-    if scale is None:
-        scale = head_dim ** -0.5
-    scale = float(scale)
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale: head_dim ** -0.5 unless given; ValueError unless finite."""
+    scale = head_dim ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number; got {scale}")
-    if num_seqs == 0:
-        return PagedDecodeShape(0, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks_per_seq,
-                                0, scale)
+    return scale
 
-    lens = seq_lens.long()
-    if (lens < 1).any():
-        i = int((lens < 1).nonzero()[0, 0])
-        raise ValueError(f"seq_lens[{i}] is {int(lens[i])}: every sequence needs at least 1 token "
-                         f"(the decode query attends over its own key too)")
+
+def check_tables(block_tables, lens, block_size: int, num_blocks: int) -> None:
+    """Each sequence fits its table row, and every entry it uses names a block of the pool (lens: int64 [num_seqs]).
+
+    Only the entries a sequence uses must name real blocks; the rest of its row may hold anything.
+    """
+    max_blocks_per_seq = block_tables.shape[1]
     capacity = max_blocks_per_seq * block_size
     if (lens > capacity).any():
         i = int((lens > capacity).nonzero()[0, 0])
         raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but a block table row holds only {max_blocks_per_seq} "
                          f"blocks of {block_size} = {capacity} tokens")
-    # Only the entries a sequence uses must name real blocks; the rest of its row may hold anything.
     blocks_used = (lens + block_size - 1) // block_size                         # [num_seqs]
     used = torch.arange(max_blocks_per_seq, device=lens.device)[None, :] \
         < blocks_used[:, None]                                                  # [num_seqs, max_blocks]
@@ -325,6 +310,40 @@ def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, sc
         raise ValueError(f"block_tables[{i}, {j}] is {int(block_tables[i, j])}, outside the pool of {num_blocks} "
                          f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first "
                          f"{int(blocks_used[i])} entries)")
+
+
+def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
+                                 v_scale=None) -> PagedDecodeShape:
+    """Check a decode call's inputs without launching anything; raise ValueError naming what is wrong.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs].
+    Quantized pools (int8, or float8_e4m3fn where torch has it) also need k_scale and v_scale: float32
+    [num_blocks, num_kv_heads], contiguous, positive and finite; q stays float32, float16 or bfloat16.
+    """
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+             ("seq_lens", seq_lens))
+    check_query_and_pools(named, q, k_cache, v_cache, k_scale, v_scale)
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t, dims in (("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]"),
+                          ("seq_lens", seq_lens, "[num_seqs]")):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (what the kernel reads); got {_dtype_name(t.dtype)}")
+        if t.ndim != dims.count(",") + 1 or t.shape[0] != num_seqs:
+            raise ValueError(f"{name} must have shape {dims} with num_seqs = {num_seqs} (q's first dim); "
+                             f"got {tuple(t.shape)}")
+    max_blocks_per_seq = block_tables.shape[1]
+    scale = resolve_scale(scale, head_dim)
+    if num_seqs == 0:
+        return PagedDecodeShape(0, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks_per_seq,
+                                0, scale)
+    lens = seq_lens.long()
+    if (lens < 1).any():
+        i = int((lens < 1).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] is {int(lens[i])}: every sequence needs at least 1 token "
+                         f"(the decode query attends over its own key too)")
+    check_tables(block_tables, lens, block_size, num_blocks)
     return PagedDecodeShape(num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
                             max_blocks_per_seq, int(lens.max()), scale)
 

@@ -17,25 +17,25 @@ KV head a program takes 2 tokens, with 1 (MHA) 16 tokens. TILE positions are loa
 block boundaries: a tile may cover several blocks or part of one.
 """
 
-import math
 
 import torch
 
 from kvlab.kernels.paged_decode import (
     DEFAULT_TILE,
     RUNS_IN_INTERPRETER,
-    SUPPORTED_DTYPES,
     PagedDecodeShape,
-    _check_kv_scales,
     _check_mode,
     _dtype_name,
     _is_quantized,
     _launch_inputs,
     _split_reduce_kernel,
     allocate_split_workspace,
+    check_query_and_pools,
+    check_tables,
     choose_num_splits,
     quantized_cache_dtypes,
     register_device_functions,
+    resolve_scale,
     split_plan,
     triton,
     triton_language_as,
@@ -254,42 +254,9 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
     """
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
              ("seq_lens", seq_lens), ("query_start_loc", query_start_loc))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if q.ndim != 3:
-        raise ValueError(f"q must have 3 dims [num_tokens, num_heads, head_dim]; got shape {tuple(q.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim]; "
-                             f"got shape {tuple(cache.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    devices = {name: t.device for name, t in named}
-    if len(set(devices.values())) > 1:
-        raise ValueError("all inputs must be on one device; got "
-                         + ", ".join(f"{name} on {device}" for name, device in devices.items()))
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q has dtype {_dtype_name(q.dtype)}: use float32, float16 or bfloat16")
-    quantized = k_cache.dtype in quantized_cache_dtypes()
-    if k_cache.dtype != v_cache.dtype or not (quantized or q.dtype == k_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share one dtype (or the pools share one 8-bit dtype); got "
-                         f"{_dtype_name(q.dtype)}, {_dtype_name(k_cache.dtype)} and {_dtype_name(v_cache.dtype)}")
+    check_query_and_pools(named, q, k_cache, v_cache, k_scale, v_scale, q_dims="num_tokens")
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but the caches have head_dim {cache_head_dim}")
-    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} is not supported: it must be a power of two")
-    if not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim {head_dim} is not supported: it must be between 16 and 256")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache and v_cache must have the same strides and a contiguous head_dim; got strides "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
-    _check_kv_scales(k_cache, k_scale, v_scale, num_blocks, num_kv_heads)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 (what the kernel reads); got {_dtype_name(t.dtype)}")
@@ -302,9 +269,7 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
     if tuple(query_start_loc.shape) != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must have shape [num_seqs + 1] = [{num_seqs + 1}]; "
                          f"got {tuple(query_start_loc.shape)}")
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number; got {scale}")
+    scale = resolve_scale(scale, head_dim)
     starts, lens = query_start_loc.long(), seq_lens.long()
     if int(starts[0]) != 0 or int(starts[-1]) != num_tokens:
         raise ValueError(f"query_start_loc must run from 0 to num_tokens = {num_tokens} (q's first dim); "
@@ -320,21 +285,10 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
             i = int(short.nonzero()[0, 0])
             raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but sequence {i} has {int(q_lens[i])} new tokens: "
                              f"seq_lens counts the tokens in the pool, the new ones included (at least 1)")
-        capacity = block_tables.shape[1] * block_size
-        if (lens > capacity).any():
-            i = int((lens > capacity).nonzero()[0, 0])
-            raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but a block table row holds only "
-                             f"{block_tables.shape[1]} blocks of {block_size} = {capacity} tokens")
-        blocks_used = (lens + block_size - 1) // block_size
-        used = torch.arange(block_tables.shape[1], device=lens.device)[None, :] < blocks_used[:, None]
-        bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
-        if bad.any():
-            i, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"block_tables[{i}, {j}] is {int(block_tables[i, j])}, outside the pool of {num_blocks} "
-                             f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first "
-                             f"{int(blocks_used[i])} entries)")
+        check_tables(block_tables, lens, block_size, num_blocks)
     return {"num_tokens": num_tokens, "num_seqs": num_seqs, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim, "block_size": block_size, "scale": scale, "quantized": quantized}
+            "head_dim": head_dim, "block_size": block_size, "scale": scale,
+            "quantized": k_cache.dtype in quantized_cache_dtypes()}
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *, num_tokens, num_seqs, num_heads,
