@@ -5,6 +5,7 @@ and the reference it compares with afresh too, so nothing a notebook redefines t
 """
 
 import importlib.util
+import itertools
 import os
 from functools import partial
 
@@ -23,6 +24,7 @@ def _fresh(name: str):
 
 _checks = _fresh("kvlab.checks")
 _reference = _fresh("kvlab.kernels.reference")
+_load_counter = _fresh("kvlab.kernels.load_counter")
 CheckFailed, check_close, limited_output = _checks.CheckFailed, _checks.check_close, _checks.limited_output
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,8 +104,17 @@ def _track_reads(tensors):
     return lambda: setattr(InterpreterBuilder, "create_masked_load", original)
 
 
-def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile=None):
-    """Validate, allocate the output, run kernel on the grid (num_seqs, num_heads); tile=None: one tile per sequence."""
+def group_rows(queries_per_kv):
+    """Rows of a group program: the query heads of one KV head, padded to a power of two >= 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(queries_per_kv))
+
+
+def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile=None, group=False):
+    """Validate, allocate the output, run kernel on the grid (num_seqs, num_heads); tile=None: one tile per sequence.
+
+    group=True: the grid (num_seqs, num_kv_heads), one program per KV head and its query-head group, with
+    BLOCK_M = group_rows(QUERIES_PER_KV) rows.
+    """
     from kvlab.kernels import validate_paged_decode_inputs
 
     shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale)
@@ -112,27 +123,40 @@ def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile
     if shape.num_seqs == 0:
         return out
     tile = tile or max(16, triton.next_power_of_2(shape.max_seq_len))
+    queries_per_kv = shape.num_heads // shape.num_kv_heads
+    grid = (shape.num_seqs, shape.num_kv_heads if group else shape.num_heads)
+    rows = dict(BLOCK_M=group_rows(queries_per_kv)) if group else {}
     untrack = _track_reads(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
                                 out=out)) if INTERPRETED else None
     try:
         # The interpreter computes with NumPy, which warns (on stderr) where a GPU silently gives inf or NaN.
         with np.errstate(all="ignore"):
-            kernel[(shape.num_seqs, shape.num_heads)](
+            kernel[grid](
                 out, q, k_cache, v_cache, block_tables, seq_lens, shape.scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                QUERIES_PER_KV=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim,
-                HEAD_DIM_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_SIZE=shape.block_size, TILE=tile)
+                QUERIES_PER_KV=queries_per_kv, HEAD_DIM=shape.head_dim,
+                HEAD_DIM_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_SIZE=shape.block_size, TILE=tile, **rows)
     except Exception as err:
-        # The interpreter wraps the stub's NotImplementedError; the compiler refuses a `raise` in a kernel.
-        if isinstance(err.__cause__, NotImplementedError) or "AST node type: Raise" in str(err):
-            raise NotImplementedError(f"{getattr(kernel, '__name__', kernel)} still raises NotImplementedError: "
-                                      "write its body") from None
+        _raise_stub(kernel, err)
         raise
     finally:
         if untrack:
             untrack()
     return out
+
+
+def launch_group(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile=16):
+    """launch on the grid (num_seqs, num_kv_heads): each program serves one KV head's group in BLOCK_M rows."""
+    return launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, tile=tile, group=True)
+
+
+def _raise_stub(kernel, err):
+    """Turn the stub's NotImplementedError, as the interpreter or the compiler reports it, into a plain one."""
+    # The interpreter wraps the stub's NotImplementedError; the compiler refuses a `raise` in a kernel.
+    if isinstance(err.__cause__, NotImplementedError) or "AST node type: Raise" in str(err):
+        raise NotImplementedError(f"{getattr(kernel, '__name__', kernel)} still raises NotImplementedError: "
+                                  "write its body") from None
 
 
 def own_kernel(kernel):
@@ -141,12 +165,18 @@ def own_kernel(kernel):
     from triton.runtime.jit import JITFunction
 
     import kvlab.kernels
+    from kvlab.kernels import paged_decode, unified_attention
 
     if not isinstance(kernel, (JITFunction, InterpretedFunction)):
         raise CheckFailed(f"{kernel!r} is not a @triton.jit kernel: keep the decorator and the signature")
+    # kvlab's device functions and kernels too: a notebook kernel could call _attend_tiles inside its body.
+    device_code = [unified_attention._attend_tiles, unified_attention._unified_attention_kernel,
+                   unified_attention._paged_decode_split_kernel, paged_decode._split_reduce_kernel]
     _checks.own_implementation(kernel.fn, kvlab.kernels.paged_attention_decode,
                                kvlab.kernels.paged_attention_decode_split_kv,
-                               kvlab.kernels.paged_attention_decode_reference)
+                               kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.paged_attention,
+                               kvlab.kernels.paged_attention_reference,
+                               *device_code, *(f.fn for f in device_code))
 
 
 def forbidden_reads(k_cache, v_cache, block_tables, seq_lens):
@@ -186,13 +216,17 @@ def forbidden_reads(k_cache, v_cache, block_tables, seq_lens):
 
 
 def check_kernel(name, q, k_cache, v_cache, block_tables, seq_lens, *, kernel, tile=None, scale=None, hint=None,
-                 nan_hint=None):
-    """Launch kernel on a batch, then check what it read and, sequence by sequence, what it returned."""
+                 nan_hint=None, group=False, max_kv_reads=None):
+    """Launch kernel on a batch, then check what it read and, sequence by sequence, what it returned.
+
+    group: launch on the group grid (launch_group); max_kv_reads: in the interpreter, the most K (and V) bytes
+    the kernel may request, as a multiple of the bytes the sequences hold (None: not checked).
+    """
     lens = seq_lens.tolist()
     case = (f"{name} [seq_lens {lens}, {q.shape[1]} heads on {k_cache.shape[2]} KV heads, head_dim {q.shape[2]}, "
             f"block size {k_cache.shape[1]}]")
-    with limited_output():
-        yours = launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, tile=tile)
+    with limited_output(), _load_counter.count_requested_bytes(k_cache=k_cache, v_cache=v_cache) as requested:
+        yours = launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, tile=tile, group=group)
     problems = forbidden_reads(k_cache, v_cache, block_tables, seq_lens)
     if problems:
         raise CheckFailed(f"{case}: your kernel read what it must not.\n  " + "\n  ".join(problems))
@@ -202,6 +236,7 @@ def check_kernel(name, q, k_cache, v_cache, block_tables, seq_lens, *, kernel, t
     error = (yours - expected).abs().nan_to_num(float("inf")).flatten(1).amax(1)
     wrong = not_finite | (error > 1e-4 + 1e-4 * expected.abs().flatten(1).amax(1))
     if not wrong.any():
+        _check_requested(case, requested, k_cache, lens, max_kv_reads)
         print(f"✓ {name}")
         return
     lines = [f"sequence {s} (length {lens[s]}): " + ("NaN or inf" if not_finite[s] else f"max error {error[s]:.3g}")
@@ -225,6 +260,175 @@ def check_kernel(name, q, k_cache, v_cache, block_tables, seq_lens, *, kernel, t
                       + "\n  ".join(lines) + f"\n  Hint: {advice}")
 
 
-def kernel_checker(kernel, tile=None):
+def _check_requested(case, requested, k_cache, lens, limit):
+    """Fail when the last launch requested more than limit times the K or V bytes the sequences hold."""
+    if limit is None or not INTERPRETED:
+        return
+    held = _load_counter.kv_bytes_held(k_cache, lens)
+    ratios = {name: requested[f"{name.lower()}_cache"] / held for name in ("K", "V")}
+    if max(ratios.values()) > limit:
+        raise CheckFailed(f"{case}: right values, but your kernel requested {ratios['K']:.2f}x the K bytes and "
+                          f"{ratios['V']:.2f}x the V bytes the sequences hold (at most {limit:.2f}x).\n"
+                          "  Hint: load each K/V tile once per program and use it for every row of the group: "
+                          "the scores of all rows are one tl.dot(q, tl.trans(k)), the output one tl.dot(p, v)")
+
+
+def kernel_checker(kernel, tile=None, group=False, max_kv_reads=None):
     """check_kernel with the kernel and tile fixed: checker(name, *batch, scale=..., hint=...)."""
-    return partial(check_kernel, kernel=kernel, tile=tile)
+    return partial(check_kernel, kernel=kernel, tile=tile, group=group, max_kv_reads=max_kv_reads)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 5: a whole ragged step (chunked prefills, prefix hits, decodes) through one unified kernel
+# ------------------------------------------------------------------------------------------------
+
+def make_step(seq_lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare"):
+    """A ragged step on make_batch's NaN-trapped pool: (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc).
+
+    Sequence i holds seq_lens[i] tokens in the pool, its q_lens[i] new ones (its last positions) included;
+    q [sum(q_lens), num_heads, head_dim] holds the new tokens' queries, sequence after sequence.
+    """
+    _, k_cache, v_cache, block_tables, lens = make_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                                         seed, padding)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return (q.to(DEVICE), k_cache, v_cache, block_tables, lens, query_start_loc.to(DEVICE))
+
+
+def step_rows(queries_per_kv):
+    """(BLOCK_Q, BLOCK_M): new tokens per program and its rows, BLOCK_Q x queries_per_kv padded to >= 16."""
+    block_m = group_rows(queries_per_kv)
+    return max(1, block_m // queries_per_kv), block_m
+
+
+WRITE_LOG = {}  # after an interpreted launch_step: "out" -> int array, how often each element was stored
+
+
+def _track_writes(out):
+    """Patch the interpreter's store so that it counts, per element of out, the masked-in lanes writing it."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    original = InterpreterBuilder.create_masked_store
+    start, size, numel = out.data_ptr(), out.element_size(), out.numel()
+    WRITE_LOG.clear()
+    WRITE_LOG["out"] = np.zeros(numel, dtype=np.int64)
+
+    def create_masked_store(self, ptrs, value, mask, *args):
+        addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
+        inside = (addresses >= start) & (addresses < start + size * numel)
+        np.add.at(WRITE_LOG["out"], (addresses[inside] - start) // size, 1)
+        return original(self, ptrs, value, mask, *args)
+
+    InterpreterBuilder.create_masked_store = create_masked_store
+    return lambda: setattr(InterpreterBuilder, "create_masked_store", original)
+
+
+def launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None, tile=16):
+    """Validate, run kernel on the grid (num_seqs, num_kv_heads, q blocks of the longest chunk): (out, spare rows).
+
+    q and out get spare rows after the step's last token (q's hold NaN), so that a row past a sequence's
+    q_len reads and writes memory of this launch only; out's rows nobody writes stay NaN.
+    """
+    from kvlab.kernels import validate_paged_attention_inputs
+
+    shape = validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    num_tokens, num_heads, head_dim = q.shape
+    queries_per_kv = num_heads // shape["num_kv_heads"]
+    block_q, block_m = step_rows(queries_per_kv)
+    spare = 2 * block_m + block_q
+    q_rows = torch.full((num_tokens + spare, num_heads, head_dim), float("nan"), dtype=q.dtype, device=q.device)
+    q_rows[:num_tokens] = q
+    out_rows = torch.full_like(q_rows, float("nan"))
+    starts = query_start_loc.tolist()
+    max_q_len = max([b - a for a, b in zip(starts, starts[1:])] + [0])
+    if shape["num_seqs"] == 0 or max_q_len == 0:
+        return out_rows[:num_tokens], out_rows[num_tokens:]
+    block_tables, seq_lens, query_start_loc = (t.contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    grid = (shape["num_seqs"], shape["num_kv_heads"], triton.cdiv(max_q_len, block_q))
+    untrack_reads = _track_reads(dict(q=q_rows, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                                      seq_lens=seq_lens, query_start_loc=query_start_loc, out=out_rows)
+                                 ) if INTERPRETED else None
+    untrack_writes = _track_writes(out_rows) if INTERPRETED else None
+    try:
+        with np.errstate(all="ignore"):
+            kernel[grid](
+                out_rows, q_rows, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape["scale"],
+                q_rows.stride(0), q_rows.stride(1), out_rows.stride(0), out_rows.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=shape["block_size"], TILE=tile)
+    except Exception as err:
+        _raise_stub(kernel, err)
+        raise
+    finally:
+        for undo in (untrack_reads, untrack_writes):
+            if undo:
+                undo()
+    return out_rows[:num_tokens], out_rows[num_tokens:]
+
+
+def unified_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
+    """The step's attention output [num_tokens, num_heads, head_dim] from kernel: launch_step without spare rows."""
+    return launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)[0]
+
+
+ROW_MASK_HINT = ("store a row only when it is one of this program's (token, head) pairs: row_ok needs "
+                 "rows < BLOCK_Q * QUERIES_PER_KV (the rows that pad the program to BLOCK_M) and tok < q_len")
+
+
+def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, kernel, scale=None,
+               hint=None):
+    """Launch kernel on a ragged step; check what it read and wrote, then each new token against the spec."""
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_q, _ = step_rows(num_heads // num_kv_heads)
+    case = (f"{name} [seq_lens {lens}, q_lens {q_lens}, {num_heads} heads on {num_kv_heads} KV heads, "
+            f"block size {k_cache.shape[1]}, {block_q} tokens per program]")
+    with limited_output():
+        yours, spare = launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    problems = forbidden_reads(k_cache, v_cache, block_tables, seq_lens)
+    if problems:
+        raise CheckFailed(f"{case}: your kernel read what it must not.\n  " + "\n  ".join(problems))
+
+    def where(token):
+        s = max(i for i, a in enumerate(starts[:-1]) if a <= token and q_lens[i] > 0)
+        return f"new token {token - starts[s]} of sequence {s} (seq_len {lens[s]}, q_len {q_lens[s]})"
+
+    if WRITE_LOG:
+        head_dim = q.shape[2]
+        writes = WRITE_LOG["out"].reshape(-1, num_heads, head_dim)
+        beyond = writes[len(yours):].sum()
+        if beyond:
+            raise CheckFailed(f"{case}: your kernel stored {int(beyond)} value(s) past the step's last token "
+                              f"(rows of tokens past a sequence's q_len).\n  Hint: {ROW_MASK_HINT}")
+        twice = (writes[:len(yours)] > 1).any(2).nonzero()
+        if len(twice[0]):
+            token, head = int(twice[0][0]), int(twice[1][0])
+            raise CheckFailed(f"{case}: the output of {where(token)}, head {head} was stored "
+                              f"{int(writes[token, head].max())} times: a second row wrote it, "
+                              f"with another row's result.\n  Hint: {ROW_MASK_HINT}")
+    expected = _reference.paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                    scale=scale)
+    yours, expected = yours.float().cpu(), expected.float().cpu()
+    not_finite = (~yours.isfinite()).flatten(1).any(1)
+    error = (yours - expected).abs().nan_to_num(float("inf")).flatten(1).amax(1)
+    wrong = not_finite | (error > 1e-4 + 1e-4 * expected.abs().flatten(1).amax(1))
+    if not wrong.any():
+        print(f"✓ {name}")
+        return
+    bad = wrong.nonzero().flatten().tolist()
+    lines = [f"{where(t)}, at position {lens[s] - q_lens[s] + t - starts[s]}: "
+             + ("NaN or inf" if not_finite[t] else f"max error {error[t]:.3g}")
+             for t in bad[:6] for s in [max(i for i, a in enumerate(starts[:-1]) if a <= t and q_lens[i] > 0)]]
+    advice = hint or ("new token t of a sequence sits at position (seq_len - q_len) + t, after the tokens already "
+                      "in the pool (a prefix-cache hit, earlier chunks); it sees every key at or before that "
+                      "position, its own included: visible = row_ok & in_range & (pos <= query_pos)")
+    raise CheckFailed(f"{case}: not what the spec returns for {len(bad)} of {len(yours)} new token(s).\n  "
+                      + "\n  ".join(lines) + ("\n  ..." if len(bad) > 6 else "") + f"\n  Hint: {advice}")
+
+
+def step_checker(kernel):
+    """check_step with the kernel fixed: checker(name, *step, scale=..., hint=...)."""
+    return partial(check_step, kernel=kernel)
