@@ -138,8 +138,19 @@ class KVStorage:
         if not checked:
             slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
             self._check_slots(slot_mapping, k.shape[0])
-        elif slot_mapping.shape != (k.shape[0],):
+            self._store(layer_idx, k, v, slot_mapping)
+            return
+        if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({k.shape[0]},)")
+        self._store_in_pass(layer_idx, k, v, slot_mapping)
+
+    def prepare_pass(self, slot_mapping: torch.Tensor) -> None:
+        """Before a forward pass: what its writes need, computed once on the host (slot_mapping: host int64 [T])."""
+
+    def finish_pass(self) -> None:
+        """After a forward pass: raise what its writes found wrong (the pools are then as they were)."""
+
+    def _store_in_pass(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self._store(layer_idx, k, v, slot_mapping)
 
     def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -211,16 +222,31 @@ class QuantizedKVStorage(KVStorage):
         """V's scale per (block, KV head) for every layer."""
         return self._v_scales
 
+    @staticmethod
+    def _block_plan(slot_mapping: torch.Tensor, block_size: int):
+        """(blocks [T], touched [n], which [T], fresh [n]): each token's block, the blocks written, each token's
+        index among them, and which of them start at their first slot (a block starting afresh)."""
+        blocks = slot_mapping // block_size
+        touched, which = blocks.unique(return_inverse=True)
+        fresh = torch.isin(touched, blocks[slot_mapping % block_size == 0])
+        return blocks, touched, which, fresh
+
     def _quantize_into(self, pool: torch.Tensor, scales: torch.Tensor, static: bool, x: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-        """Quantise x [T, Hkv, D] into pool at slot_mapping, growing (and requantising) block scales as needed."""
-        blocks = slot_mapping // self.block_size
-        touched, which = blocks.unique(return_inverse=True)  # [n] blocks written, and each token's index among them
+                       slot_mapping: torch.Tensor, plan=None, ok=None) -> None:
+        """Quantise x [T, Hkv, D] into pool at slot_mapping, growing (and requantising) block scales as needed.
+
+        plan: _block_plan's tensors, computed once per pass; ok: a device bool, False to leave everything as it was
+        (the pass found NaN or inf, reported after it without a sync per layer).
+        """
+        blocks, touched, which, fresh = plan or self._block_plan(slot_mapping, self.block_size)
+
+        def keep_unless_bad(new, old):
+            return new if ok is None else torch.where(ok, new, old)
+
         if not static:
             token_amax = x.abs().amax(dim=-1).float()  # [T, Hkv]
             amax = torch.zeros(len(touched), x.shape[1], device=x.device).scatter_reduce_(
                 0, which[:, None].expand_as(token_amax), token_amax, "amax")  # [n, Hkv]
-            fresh = torch.isin(touched, blocks[slot_mapping % self.block_size == 0])  # [n]
             old = scales[touched]
             base = torch.where(fresh[:, None], torch.full_like(old, SCALE_FLOOR), old)
             new = torch.maximum(base, amax / self.qmax)  # [n, Hkv]
@@ -228,14 +254,15 @@ class QuantizedKVStorage(KVStorage):
             # block goes through it, with no test that would read a flag back from the device: where the scale
             # stayed, dividing by the scale it was multiplied by gives back the stored value exactly.
             grown = (new > base) & ~fresh[:, None]
-            kept = quantize(dequantize(pool[touched], old[:, None, :]), new[:, None, :], self.kv_cache_dtype)
+            stored = pool[touched]
+            kept = quantize(dequantize(stored, old[:, None, :]), new[:, None, :], self.kv_cache_dtype)
             # A block that starts afresh drops whatever a previous owner left in it.
-            pool[touched] = torch.where(fresh[:, None, None, None], torch.zeros((), dtype=pool.dtype,
-                                                                                device=pool.device), kept)
-            self._requantized += grown.sum()
-            scales[touched] = new
+            kept = torch.where(fresh[:, None, None, None], torch.zeros((), dtype=pool.dtype, device=pool.device), kept)
+            pool[touched] = keep_unless_bad(kept, stored)
+            self._requantized += grown.sum() if ok is None else grown.sum() * ok
+            scales[touched] = keep_unless_bad(new, old)
         flat = pool.view(self.num_slots, *pool.shape[2:])
-        flat[slot_mapping] = quantize(x, scales[blocks], self.kv_cache_dtype)
+        flat[slot_mapping] = keep_unless_bad(quantize(x, scales[blocks], self.kv_cache_dtype), flat[slot_mapping])
 
     def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
@@ -245,6 +272,35 @@ class QuantizedKVStorage(KVStorage):
         static = self.static[layer_idx]
         self._quantize_into(self.k_pools[layer_idx], self.k_scales[layer_idx], static, k, slot_mapping)
         self._quantize_into(self.v_pools[layer_idx], self.v_scales[layer_idx], static, v, slot_mapping)
+
+    def prepare_pass(self, slot_mapping: torch.Tensor) -> None:
+        """The pass's block plan, on the host (torch.unique would wait for the GPU), moved to the device once."""
+        self.finish_pass()  # a pass that was never finished still reports what it found
+        plan = self._block_plan(slot_mapping.cpu(), self.block_size)
+        self._pass_plan = tuple(t.to(self.device, non_blocking=True) for t in plan)
+        self._pass_bad = torch.zeros(self.num_layers, dtype=torch.bool, device=self.device)
+
+    def finish_pass(self) -> None:
+        """One read-back per pass: a layer whose K or V held NaN or inf wrote nothing, and is named here."""
+        bad = getattr(self, "_pass_bad", None)
+        self._pass_bad = None
+        if bad is not None and bool(bad.any()):
+            layers = bad.nonzero()[:, 0].tolist()
+            raise ValueError(f"layer(s) {layers}: K or V held NaN or inf, which no scale can represent; "
+                             f"nothing of this pass was stored")
+
+    def _store_in_pass(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if getattr(self, "_pass_bad", None) is None:  # written outside a prepared pass: the checks as usual
+            return self._store(layer_idx, k, v, slot_mapping)
+        if slot_mapping.numel() == 0:
+            return
+        ok = torch.isfinite(k).all() & torch.isfinite(v).all()   # stays on the device
+        self._pass_bad[layer_idx] = ~ok
+        static = self.static[layer_idx]
+        self._quantize_into(self.k_pools[layer_idx], self.k_scales[layer_idx], static, k, slot_mapping,
+                            self._pass_plan, ok)
+        self._quantize_into(self.v_pools[layer_idx], self.v_scales[layer_idx], static, v, slot_mapping,
+                            self._pass_plan, ok)
 
     def gather(self, layer_idx: int, block_table: list[int], seq_len: int, dtype: torch.dtype):
         """One sequence's K and V through its block table, dequantised to dtype: two [Hkv, seq_len, D]."""

@@ -131,8 +131,9 @@ class PagedKVCache:
                 raise ValueError(f"block table {table} names a block outside the pool of {self.num_blocks}")
         # The slots are checked here, once per pass and on the host, then moved to the pools' device once:
         # the layers write with them without reading anything back from the device.
-        slots = torch.as_tensor(batch.slot_mapping, dtype=torch.long)
-        self.storage._check_slots(slots.cpu(), len(slots))
+        slots = torch.as_tensor(batch.slot_mapping, dtype=torch.long).cpu()
+        self.storage._check_slots(slots, len(slots))
+        self.storage.prepare_pass(slots)
         self._slots = slots.to(self.storage.device, non_blocking=True)
         self.batch = batch
         self._plan = None  # built on the first layer's attend, reused by every other layer
@@ -146,6 +147,10 @@ class PagedKVCache:
         if self._plan is None:
             self._plan = self.attn_backend.plan(batch, self.block_size, self.storage.device) or {}
         return self.attn_backend.attend(self.storage, layer_idx, query, batch, self._plan, scaling)[None]
+
+    def finish_pass(self) -> None:
+        """After the model ran on set_batch's tokens: raise what the writes found wrong (8-bit pools: NaN or inf)."""
+        self.storage.finish_pass()
 
     def copy_blocks(self, copies) -> None:
         """Copy block src's K/V (and scales) into block dst for every (src, dst) and layer (copy-on-write)."""

@@ -87,7 +87,9 @@ def forward_batch(model, cache, chunks: list[SequenceChunk]) -> tuple[torch.Tens
     """One ragged forward pass of the model on `cache`; logits [T, vocab] of every new token, and the layout used."""
     batch = build_batch(chunks, cache.block_size)
     cache.set_batch(batch.layout)
-    return forward(model, batch.input_ids, batch.positions, cache), batch.layout
+    logits = forward(model, batch.input_ids, batch.positions, cache)
+    cache.finish_pass()
+    return logits, batch.layout
 
 
 def last_token_logits(logits: torch.Tensor, query_lens: list[int]) -> torch.Tensor:

@@ -354,6 +354,25 @@ def test_bad_writes_are_rejected_and_nothing_changes(kv_cache_dtype):
     _assert_unchanged(cache, before)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_nan_in_a_forward_pass_is_reported_after_it_and_stores_nothing(kv_cache_dtype):
+    """Inside a pass the 8-bit store checks K/V on the device: the bad layer writes nothing, finish_pass names it."""
+    cache, k, v, _ = _filled_cache(kv_cache_dtype)
+    before = _snapshot(cache)
+    cache.set_batch(BatchLayout([2], [12], [[0, 1, 2]], torch.tensor([10, 11])))
+    bad_k = k[:2].clone()
+    bad_k[0, 1, 2] = float("inf")
+    cache.attend(0, torch.zeros(1, 2, 2, 8), bad_k.transpose(0, 1)[None], v[:2].transpose(0, 1)[None], 1.0)
+    _assert_unchanged(cache, before)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[0\]: K or V held NaN or inf"):
+        cache.finish_pass()
+    cache.finish_pass()  # reported once
+    cache.set_batch(BatchLayout([2], [12], [[0, 1, 2]], torch.tensor([10, 11])))
+    cache.attend(0, torch.zeros(1, 2, 2, 8), k[:2].transpose(0, 1)[None], v[:2].transpose(0, 1)[None], 1.0)
+    cache.finish_pass()
+    assert not torch.equal(_snapshot(cache)[0][0], before[0][0]), "a good pass stores its tokens"
+
+
 def test_attend_before_set_batch_is_an_error():
     cache = QuantizedPagedKVCache(1, 2, 4, 1, 8, "int8")
     with pytest.raises(RuntimeError, match="set_batch"):
