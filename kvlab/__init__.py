@@ -11,8 +11,8 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
               block_views (the block map's data)
   model/      loader (load_model), config (context length, EOS ids), attention_hook (the hook that
               lets a transformers model run on kvlab's caches; Ch 1)
-  kernels/    the Triton paged decode kernel, its split-KV variant, a torch reference and ahead-of-time
-              compilation (Ch 7)
+  kernels/    the Triton kernels: unified paged attention for a whole ragged step (decode is its one-token
+              case), split-KV decode, a torch reference, the byte counter, ahead-of-time compilation (Ch 7)
   cache/      K/V tensors and the attention that reads them: attention, naive_cache (Ch 1),
               ragged_batch (one forward pass over many sequences), paged_cache = kv_storage (the
               storage format: model dtype, int8, fp8) x attention_backends (per sequence, batched

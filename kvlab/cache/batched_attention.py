@@ -5,7 +5,8 @@ and running attention on its own: clear, but a step of 16 decodes costs 16 small
 small attentions per layer. Here the decodes (one new query each) are gathered together through
 one index of their slots, padded to the longest sequence and masked, and attended in one batched
 computation; prefill chunks keep Chapter 3's per-sequence path. On a CUDA device with Triton the
-decodes go to Chapter 7's paged decode kernel instead, which reads the blocks in place.
+whole step goes to Chapter 7's unified paged-attention kernel instead, prefill chunks and decodes in
+one launch per layer, reading the blocks in place.
 
 The backends themselves are in kvlab.cache.attention_backends and read any storage format, so
 BatchedPagedKVCache(..., kv_cache_dtype="int8") decodes 8-bit pools the same two ways.
