@@ -1,0 +1,96 @@
+"""Speculative decoding's rejection sampler keeps the target's distribution (chi-square on many seeded draws)."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab.engine.rejection_sampler import greedy_verify, rejection_sample
+
+VOCAB = 5
+DRAWS = 20_000
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test that counts were drawn from probs (vocab small, every expected count large)."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(probs) - 1
+    # Wilson-Hilferty: the chi-square survival function through a normal approximation (no scipy).
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def random_dist(seed: int, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(n, VOCAB, generator=gen) * 1.5, dim=-1).double()
+
+
+def first_tokens(target, draft_probs, propose, seed=0):
+    """The first emitted token of DRAWS verifications, each with a fresh draft proposed from draft_probs."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    for _ in range(DRAWS):
+        draft = [int(torch.multinomial(draft_probs[i], 1, generator=gen)) for i in range(2)] if propose is None \
+            else propose
+        counts[rejection_sample(draft, target, None if propose is not None else draft_probs, gen)[0]] += 1
+    return counts
+
+
+def test_the_first_token_follows_the_target_with_a_draft_model():
+    target, draft = random_dist(1, 3), random_dist(2, 2)
+    p = chi_square_p_value(first_tokens(target, draft, None), target[0])
+    assert p > 1e-3, f"the first emitted token does not follow the target's distribution (chi-square p = {p:.2g})"
+
+
+def test_the_first_token_follows_the_target_with_an_n_gram_proposal():
+    target = random_dist(3, 3)
+    p = chi_square_p_value(first_tokens(target, None, [2, 4]), target[0])
+    assert p > 1e-3, f"with a one-hot draft, the first token must still follow the target (p = {p:.2g})"
+
+
+def test_a_sampler_that_keeps_draft_tokens_would_be_caught():
+    """The test has power: counts of the draft's own tokens are far from the target's distribution."""
+    target, draft = random_dist(1, 3), random_dist(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    for _ in range(DRAWS):
+        counts[int(torch.multinomial(draft[0], 1, generator=gen))] += 1
+    assert chi_square_p_value(counts, target[0]) < 1e-6
+
+
+def test_bonus_token_and_all_accepted_when_draft_equals_target():
+    """q == p: every draft token is kept (min(1, p/q) = 1) and the bonus follows the last position."""
+    target = random_dist(4, 3)
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    for _ in range(DRAWS):
+        draft = [int(torch.multinomial(target[i], 1, generator=gen)) for i in range(2)]
+        out = rejection_sample(draft, target, target[:2], gen)
+        assert out[:2] == draft and len(out) == 3
+        counts[out[2]] += 1
+    assert chi_square_p_value(counts, target[2]) > 1e-3
+
+
+def test_seeded_requests_are_reproducible():
+    target, draft = random_dist(6, 4), random_dist(7, 3)
+    runs = [rejection_sample([1, 3, 0], target, draft, torch.Generator().manual_seed(42)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_greedy_keeps_draft_tokens_while_they_are_the_argmax():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0], [1.0, 2.0, 0.0]])
+    assert greedy_verify([1, 0, 2], logits) == [1, 0, 2, 1], "all kept, then the bonus argmax"
+    assert greedy_verify([1, 2, 2], logits) == [1, 0], "the first mismatch is replaced by the argmax"
+    assert greedy_verify([0, 0, 2], logits) == [1]
+    assert greedy_verify([], logits[:1]) == [1], "no draft: one ordinary greedy step"
+
+
+@pytest.mark.parametrize("args, message", [
+    (([1, 2], torch.ones(2, VOCAB) / VOCAB), r"\[k \+ 1, vocab\]"),
+    (([1, 2], torch.ones(3, VOCAB) / VOCAB, torch.ones(3, VOCAB) / VOCAB), r"draft_probs must be \[k, vocab\]"),
+    (([1, 7], torch.ones(3, VOCAB) / VOCAB), "outside the vocabulary"),
+])
+def test_bad_shapes_and_tokens_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        rejection_sample(*args)
