@@ -466,7 +466,7 @@ def main(argv=None) -> int:
     args.progress = tqdm
     title = f"{name}, {args.dtype}, {args.num_heads} heads, head_dim {args.head_dim}"
     print(title)
-    results = run(args, device, do_bench, torch.cuda.get_device_properties(device).multi_processor_count,
+    results = run(args, device, do_bench, kernels.num_sms(device),
                   log=tqdm.write)
     print()
     print_table(results["rows"])

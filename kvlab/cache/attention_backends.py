@@ -132,8 +132,7 @@ class TritonBackend:
         return {"block_tables": tables.to(device), "query_start_loc": starts.to(device),
                 "seq_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device), "shape": None,
                 "decode_only": all(n == 1 for n in batch.query_lens), "max_seq_len": max(batch.context_lens,
-                                                                                          default=0),
-                "workspace": None}
+                                                                                          default=0)}
 
     def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
         """Every sequence's queries (query [1, H, T, D]) over its blocks, in one launch -> [T, H, D]."""
@@ -146,32 +145,33 @@ class TritonBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan["shape"] is None:  # once per step: every layer has the same shapes, so later layers skip the checks
             plan["num_splits"] = self._num_splits(plan, q.shape[0], k_pool.shape[2], q.device)
-            if plan["num_splits"] > 1:
-                plan["shape"] = kernels.validate_paged_decode_inputs(q, k_pool, v_pool, tables, seq_lens, scaling,
-                                                                     k_scale, v_scale)
+            plan["split_kv"] = plan["num_splits"] > 1
+            if plan["split_kv"]:
+                shape = kernels.validate_paged_decode_inputs(q, k_pool, v_pool, tables, seq_lens, scaling, k_scale,
+                                                             v_scale)
+                _, plan["num_splits"] = kernels.split_plan(shape.max_seq_len, plan["num_splits"])
+                # Scratch shared by the step's layers.
+                plan["workspace"] = kernels.allocate_split_workspace(shape.num_seqs, shape.num_heads,
+                                                                     plan["num_splits"], shape.head_dim, q.device)
+                plan["shape"] = shape
             else:
                 plan["shape"] = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
                                                                         scaling, k_scale, v_scale)
-        if plan["num_splits"] > 1:
-            shape = plan["shape"]
-            tokens_per_split, num_splits = kernels.split_plan(shape.max_seq_len, plan["num_splits"])
-            if plan["workspace"] is None:  # scratch shared by the step's layers
-                plan["workspace"] = kernels.allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits,
-                                                                     shape.head_dim, q.device)
-            return kernels.launch_paged_decode_split_kv(shape, q, k_pool, v_pool, tables, seq_lens, out, num_splits,
-                                                        workspace=plan["workspace"], k_scale=k_scale, v_scale=v_scale)
+        if plan["split_kv"]:
+            return kernels.launch_paged_decode_split_kv(plan["shape"], q, k_pool, v_pool, tables, seq_lens, out,
+                                                        plan["num_splits"], workspace=plan["workspace"],
+                                                        k_scale=k_scale, v_scale=v_scale)
         return kernels.launch_paged_attention(plan["shape"], q, k_pool, v_pool, tables, seq_lens, starts, out,
                                               k_scale=k_scale, v_scale=v_scale)
 
     @staticmethod
     def _num_splits(plan, num_seqs: int, num_kv_heads: int, device) -> int:
         """Split-KV ranges for this step: 1 unless it is decode-only and the one-pass grid is too small."""
-        from kvlab.kernels import choose_num_splits
+        from kvlab.kernels import choose_num_splits, num_sms
 
         if not plan["decode_only"]:
             return 1
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        return choose_num_splits(num_seqs, num_kv_heads, plan["max_seq_len"], num_sms)
+        return choose_num_splits(num_seqs, num_kv_heads, plan["max_seq_len"], num_sms(device))
 
 
 def batched_decode_attention(q, k, v, mask, scaling):

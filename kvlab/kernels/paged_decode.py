@@ -373,6 +373,11 @@ def _is_quantized(k_cache, k_scale, v_scale) -> bool:
     return quantized
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of device's GPU; 132 (an H100) where there is none, for the split rule."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """How many ranges to split each sequence into: enough programs for about 4 per SM, none under 256 tokens.
 

@@ -33,6 +33,7 @@ from kvlab.kernels.paged_decode import (
     check_query_and_pools,
     check_tables,
     choose_num_splits,
+    num_sms,
     quantized_cache_dtypes,
     register_device_functions,
     resolve_scale,
@@ -430,8 +431,7 @@ def paged_attention_decode_split_kv(q, k_cache, v_cache, block_tables, seq_lens,
     """
     shape = validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 132
-        num_splits = choose_num_splits(shape.num_seqs, shape.num_kv_heads, shape.max_seq_len, num_sms)
+        num_splits = choose_num_splits(shape.num_seqs, shape.num_kv_heads, shape.max_seq_len, num_sms(q.device))
     if not is_integer(num_splits) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
