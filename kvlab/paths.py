@@ -7,3 +7,4 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ASSETS_DIR = Path(os.environ.get("KVLAB_ASSETS", REPO_ROOT / "assets"))
 DEFAULT_MODEL_DIR = ASSETS_DIR / "model"
 MODEL_CONFIGS_DIR = ASSETS_DIR / "configs"
+DEFAULT_DRAFT_MODEL_DIR = ASSETS_DIR / "draft_model"  # the embedded model's speculative-decoding draft

@@ -26,7 +26,9 @@ ALLOWED_KVLAB = {
                     "kvlab.validation"},
     # LLM.beam_search runs Chapter 5's loop, so the engine sits above the chapters' decoding loops.
     "kvlab.engine": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
-                     "kvlab.analysis", "kvlab.decoding", "kvlab.validation"},
+                     "kvlab.analysis", "kvlab.decoding", "kvlab.spec_decode", "kvlab.paths", "kvlab.validation"},
+    # Proposers run a draft model on its own paged cache; the engine hands them its sampler.
+    "kvlab.spec_decode": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.validation"},
     "kvlab.decoding": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
                        "kvlab.analysis", "kvlab.validation"},
     "kvlab.baselines": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
@@ -50,6 +52,7 @@ FORBIDDEN_THIRD_PARTY = {
     "kvlab.model": {"ipywidgets", "triton"},
     "kvlab.cache": {"ipywidgets"},
     "kvlab.engine": {"ipywidgets"},
+    "kvlab.spec_decode": {"ipywidgets", "triton"},
     "kvlab.decoding": {"ipywidgets"},
     "kvlab.baselines": {"ipywidgets"},
 }

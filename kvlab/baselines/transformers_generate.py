@@ -41,3 +41,25 @@ def reference_beam_search(model, prompt_ids, beam_width: int, max_new_tokens: in
                 break
         results.append((tokens, float(score)))
     return results
+
+
+@torch.inference_mode()
+def reference_speculative_generate(model, prompt_ids, max_new_tokens: int, prompt_lookup_num_tokens: int | None = None,
+                                   assistant_model=None) -> list[int]:
+    """transformers' own speculative greedy generate: prompt lookup (n-grams) or an assistant (draft) model.
+
+    The oracle for kvlab's speculative engine: greedy speculation must give the target's greedy tokens.
+    """
+    if (prompt_lookup_num_tokens is None) == (assistant_model is None):
+        raise ValueError("give prompt_lookup_num_tokens (n-gram lookup) or assistant_model (a draft), not both")
+    ids = torch.tensor([as_token_ids(prompt_ids)], device=model.device)
+    check_fits_context(model, ids.shape[1], max_new_tokens)
+    # min_new_tokens (no early end of sequence) only for prompt lookup: with an assistant, transformers would
+    # build that processor twice and warn; the course's models never emit their end-of-sequence token.
+    extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "min_new_tokens": max_new_tokens} \
+        if assistant_model is None else {"assistant_model": assistant_model}
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=model.config.pad_token_id or 0, **extra,
+    )
+    return out[0, ids.shape[1]:].tolist()

@@ -6,7 +6,9 @@ Which costs less depends on block size and sequence length (Kwon et al., SOSP 20
 
 The CPU pool mirrors every tensor the cache's storage indexes by block (kvlab.cache.kv_storage's
 block_tensors): the K and V pools in their own dtype, and an 8-bit cache's scales with them, since
-int8 or fp8 values mean nothing without the scale of their (block, head).
+int8 or fp8 values mean nothing without the scale of their (block, head). A speculative engine's
+draft model keeps its K/V under the same block ids in pools of its own: those are extra_caches,
+swapped with the target's blocks in the same calls.
 """
 
 import math
@@ -20,10 +22,11 @@ from kvlab.validation import check_int, is_integer
 class SwapSpace:
     """num_cpu_blocks host blocks per layer, each [block_size, num_kv_heads, head_dim] (plus [num_kv_heads] scales)."""
 
-    def __init__(self, cache, num_cpu_blocks: int):
+    def __init__(self, cache, num_cpu_blocks: int, extra_caches=()):
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
         self.cache = cache
-        device_tensors = cache.storage.block_tensors()
+        self.caches = [cache, *extra_caches]
+        device_tensors = self._device_tensors()
         pin = device_tensors[0].is_cuda  # pinned host memory makes the copies asynchronous-capable and faster
         # self.blocks[i] is the host twin of device_tensors[i]: the same shape past the block dim, the same dtype.
         self.blocks = [torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
@@ -45,6 +48,9 @@ class SwapSpace:
         """Bytes of one block across all layers, K and V, scales included: what one swap of one block moves."""
         return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.blocks)
 
+    def _device_tensors(self) -> list:
+        return [t for c in self.caches for t in c.storage.block_tensors()]
+
     def _copy(self, src_tensors, src_ids, dst_tensors, dst_ids) -> None:
         src = torch.tensor(src_ids, dtype=torch.long, device=src_tensors[0].device)
         dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_tensors[0].device)
@@ -59,7 +65,7 @@ class SwapSpace:
             return None
         cpu_ids = [b.block_id for b in self.block_pool.get_new_blocks(len(gpu_block_ids))] if gpu_block_ids else []
         if cpu_ids:
-            self._copy(self.cache.storage.block_tensors(), gpu_block_ids, self.blocks, cpu_ids)
+            self._copy(self._device_tensors(), gpu_block_ids, self.blocks, cpu_ids)
         self.blocks_swapped_out += len(cpu_ids)
         return cpu_ids
 
@@ -68,7 +74,7 @@ class SwapSpace:
         if len(cpu_block_ids) != len(gpu_block_ids):
             raise ValueError(f"{len(cpu_block_ids)} CPU blocks for {len(gpu_block_ids)} device blocks")
         if cpu_block_ids:
-            self._copy(self.blocks, cpu_block_ids, self.cache.storage.block_tensors(), gpu_block_ids)
+            self._copy(self.blocks, cpu_block_ids, self._device_tensors(), gpu_block_ids)
         self.blocks_swapped_in += len(cpu_block_ids)
 
     def free(self, cpu_block_ids: list[int]) -> None:

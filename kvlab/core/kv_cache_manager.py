@@ -11,6 +11,12 @@ blocks, so at least the last prompt token is always computed: the model needs it
 first output token. When a prompt of k full blocks is cached entirely, the hit is therefore k - 1
 blocks and the whole last block (block_size tokens) is recomputed into a fresh block.
 
+Speculative decoding (vLLM V1's way) adds two arguments and one call: allocate_slots(...,
+num_draft_tokens=k, num_lookahead_tokens=L) takes slots for k unverified draft tokens (the last k of
+new_token_ids, never hashed) and keeps L more slots free for a draft model's own K/V;
+rollback_draft_tokens(request_id, num_accepted) then drops the rejected drafts, caches the blocks the
+accepted ones filled, and returns the blocks that ended up wholly past the sequence (plus lookahead).
+
 These are the calls of every chapter's block manager (kvlab.core.paging.BaseBlockManager); Chapter 3's
 BlockManager answers get_computed_blocks with no hits.
 """
@@ -18,8 +24,10 @@ BlockManager answers get_computed_blocks with no hits.
 from collections.abc import Hashable, Sequence
 
 from kvlab.core.block_pool import KVCacheBlock, PooledBlockManager
+from kvlab.core.draft_tokens import plan_rollback
 from kvlab.core.paging import num_blocks_needed, slot_mapping_for
 from kvlab.core.prefix_cache import hash_block_tokens
+from kvlab.validation import check_int, is_integer
 
 
 class KVCacheManager(PooledBlockManager):
@@ -38,6 +46,7 @@ class KVCacheManager(PooledBlockManager):
         self._req_hashes: dict[object, list[bytes]] = {}
         self._req_tail: dict[object, list[int]] = {}
         self._req_extra_keys: dict[object, Hashable | None] = {}
+        self._req_drafts: dict[object, list[int]] = {}  # each request's unverified draft tokens, not hashed yet
         self.queries = 0  # prompt tokens of admitted requests
         self.hits = 0     # of which were served from the cache
 
@@ -72,24 +81,40 @@ class KVCacheManager(PooledBlockManager):
         return hits, len(hits) * self.block_size
 
     def num_blocks_to_allocate(self, request_id, num_new_tokens: int,
-                               computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+                               computed_blocks: Sequence[KVCacheBlock] = (), num_lookahead_tokens: int = 0) -> int:
         """Blocks allocate_slots would take from the free queue: new ones plus free cached hits."""
-        new = super().num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks)
+        current = self.num_tokens.get(request_id, 0)
+        after = current + len(computed_blocks) * self.block_size + num_new_tokens + num_lookahead_tokens
+        # A speculating request may already hold lookahead blocks past its tokens.
+        held = len(self.req_to_blocks.get(request_id, ())) + len(computed_blocks)
+        new = max(0, num_blocks_needed(after, self.block_size) - held)
         free_hits = {b.block_id for b in computed_blocks if b.ref_cnt == 0}
         return new + len(free_hits)
 
     def allocate_slots(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
-                       new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None) -> list[int]:
+                       new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None,
+                       num_draft_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[int]:
         """Grow a request by num_new_tokens after its computed blocks; returns the new tokens' slots.
 
         A new request first takes a reference to its cache hits; blocks come from the pool only as the
-        last one fills, and every block that is now full gets cached under its prefix hash. With prefix
-        caching on, new_token_ids (the tokens being added) are required to hash those blocks.
+        last one fills, and every block that is now full of verified tokens gets cached under its prefix
+        hash. With prefix caching on, new_token_ids (the tokens being added) are required to hash those
+        blocks. The last num_draft_tokens new tokens are unverified drafts (see rollback_draft_tokens);
+        num_lookahead_tokens more slots past them are held too (a draft model writes its K/V there).
         """
         computed_blocks = list(computed_blocks)
         is_new = request_id not in self.req_to_blocks
         # Check everything before changing anything, so a failed call leaves the manager as it was.
         self._check_new_tokens(num_new_tokens, new_token_ids)
+        check_int("num_lookahead_tokens", num_lookahead_tokens, minimum=0)
+        if not is_integer(num_draft_tokens) or not 0 <= num_draft_tokens <= num_new_tokens:
+            raise ValueError(f"num_draft_tokens must be an integer from 0 to num_new_tokens ({num_new_tokens}), "
+                             f"got {num_draft_tokens!r}")
+        if num_draft_tokens and new_token_ids is None:
+            raise ValueError("draft tokens need new_token_ids: the accepted ones are hashed after verification")
+        if self._req_drafts.get(request_id):
+            raise ValueError(f"request {request_id!r} still has {len(self._req_drafts[request_id])} unverified draft "
+                             f"tokens: call rollback_draft_tokens after verifying them, before allocating more")
         if computed_blocks and not is_new:
             raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
         if self.enable_prefix_caching and new_token_ids is None:
@@ -98,7 +123,8 @@ class KVCacheManager(PooledBlockManager):
             if block.block_hash is None or self.block_pool.get_cached_block(block.block_hash) is not block:
                 raise ValueError(f"computed block {block.block_id} of request {request_id!r} is no longer cached "
                                  f"(evicted since get_computed_blocks?)")
-        self._check_free_blocks(request_id, self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks))
+        self._check_free_blocks(request_id, self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks,
+                                                                        num_lookahead_tokens))
 
         if is_new:
             # Touch hits before taking new blocks, so the new ones cannot evict them.
@@ -109,18 +135,47 @@ class KVCacheManager(PooledBlockManager):
             self._req_hashes[request_id] = [b.block_hash for b in computed_blocks]
             self._req_tail[request_id] = []
             self._req_extra_keys[request_id] = extra_keys
+            self._req_drafts[request_id] = []
             self.queries += self.num_tokens[request_id] + num_new_tokens
             self.hits += self.num_tokens[request_id]
         blocks = self.req_to_blocks[request_id]
         start = self.num_tokens[request_id]
         end = start + num_new_tokens
-        blocks.extend(self.block_pool.get_new_blocks(num_blocks_needed(end, self.block_size) - len(blocks)))
+        wanted = num_blocks_needed(end + num_lookahead_tokens, self.block_size)
+        blocks.extend(self.block_pool.get_new_blocks(max(0, wanted - len(blocks))))
         self.num_tokens[request_id] = end
+        verified = num_new_tokens - num_draft_tokens
+        if num_draft_tokens:
+            self._req_drafts[request_id] = [int(t) for t in new_token_ids[verified:]]
         if self.enable_prefix_caching:
-            self._cache_filled_blocks(request_id, new_token_ids)
+            self._cache_filled_blocks(request_id, new_token_ids[:verified])
         first = start // self.block_size  # only the blocks the new tokens land in, not the whole table, on every decode
         return slot_mapping_for([b.block_id for b in blocks[first:]], start - first * self.block_size, num_new_tokens,
                                 self.block_size)
+
+    def rollback_draft_tokens(self, request_id, num_accepted_tokens: int, num_lookahead_tokens: int = 0) -> list[int]:
+        """After verification: keep the first num_accepted_tokens drafts, drop the rest; returns the freed block ids.
+
+        The accepted drafts are verified tokens now, so the blocks they fill are cached; blocks wholly
+        past the remaining tokens plus num_lookahead_tokens go back to the pool, last block first.
+        """
+        self._check_running(request_id, "roll back")
+        drafts = self._req_drafts[request_id]
+        blocks = self.req_to_blocks[request_id]
+        plan = plan_rollback(self.num_tokens[request_id], len(drafts), num_accepted_tokens, len(blocks),
+                             self.block_size, num_lookahead_tokens)
+        self.num_tokens[request_id] = plan.num_computed_tokens
+        self._req_drafts[request_id] = []
+        if self.enable_prefix_caching:
+            self._cache_filled_blocks(request_id, drafts[:num_accepted_tokens])
+        freed = blocks[plan.num_blocks_to_keep:]
+        del blocks[plan.num_blocks_to_keep:]
+        self.block_pool.free_blocks(reversed(freed))
+        return [b.block_id for b in freed]
+
+    def num_draft_tokens(self, request_id) -> int:
+        """Unverified draft tokens the request holds slots for (0 between steps)."""
+        return len(self._req_drafts.get(request_id, ()))
 
     def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
         hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]
@@ -160,5 +215,5 @@ class KVCacheManager(PooledBlockManager):
         return blocks
 
     def _forget(self, request_id) -> None:
-        for table in (self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys):
+        for table in (self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys, self._req_drafts):
             del table[request_id]

@@ -5,6 +5,9 @@
     outputs = llm.generate(["OTHELLO.\\n", "HAMLET.\\n"], SamplingParams(temperature=0, max_tokens=40))
     print(outputs[0].outputs[0].text)
 
+LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}) speculates, as vLLM does
+("draft_model" uses the course's embedded draft model unless "model" names another).
+
 LLM(kv_cache_dtype="int8") (or "fp8", vLLM's knob) stores the K/V cache in 8 bits, for generate and beam_search alike.
 
 `llm.llm_engine` is the step-by-step engine underneath (add_request, step, has_unfinished_requests,
@@ -84,6 +87,10 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def get_metrics(self) -> list:
+        """The engine's counters and gauges under vLLM's names: objects with name and value (kvlab.engine.metrics)."""
+        return self.llm_engine.get_metrics()
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
         """Beam search per prompt (Chapter 5's forked, copy-on-write search); outputs hold the beams, best first.

@@ -8,7 +8,7 @@ token are kept: a prefill chunk that does not finish its prompt produces no toke
 
 import torch
 
-from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
+from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 from kvlab.engine.scheduler import SchedulerOutput
 
 
@@ -21,12 +21,17 @@ class ModelRunner:
         self.num_forward_passes = 0
 
     def execute(self, sched: SchedulerOutput, block_tables: dict) -> torch.Tensor:
-        """Logits [num_scheduled, vocab] of the last new token of each scheduled request."""
-        chunks = []
+        """Logits [sum of (num_draft_tokens + 1), vocab]: per scheduled request, its last 1 + num_draft_tokens rows.
+
+        Without drafts that is the last new token of each request, the one that predicts its next token.
+        """
+        chunks, logits_indices, end = [], [], 0
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
-            chunks.append(SequenceChunk(req.all_token_ids[start:start + s.num_new_tokens], start,
-                                        block_tables[req.request_id], s.slots))
-        logits, layout = forward_batch(self.model, self.cache, chunks)
+            tokens = (req.all_token_ids + req.spec_token_ids)[start:start + s.num_new_tokens]
+            chunks.append(SequenceChunk(tokens, start, block_tables[req.request_id], s.slots))
+            end += s.num_new_tokens
+            logits_indices += range(end - 1 - s.num_draft_tokens, end)  # vLLM's name for the rows it keeps
+        logits, _ = forward_batch(self.model, self.cache, chunks)
         self.num_forward_passes += 1
-        return last_token_logits(logits, layout.query_lens)
+        return logits[logits_indices]

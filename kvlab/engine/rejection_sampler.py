@@ -32,6 +32,20 @@ def _check(draft_token_ids, target_probs, draft_probs) -> int:
     return k
 
 
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Where a rejected position draws from: max(p - q, 0), renormalised; p [V] and q [V] are distributions.
+
+    Accepting x with probability min(1, p(x) / q(x)) leaves exactly this much of p unclaimed, which is
+    why the two steps together sample p. When q equals p nothing is ever rejected; p is returned then.
+    """
+    if target_probs.shape != draft_probs.shape or target_probs.ndim != 1:
+        raise ValueError(f"p and q must be two distributions of the same vocabulary [V], got "
+                         f"{tuple(target_probs.shape)} and {tuple(draft_probs.shape)}")
+    residual = (target_probs.double() - draft_probs.double()).clamp_min(0.0)
+    total = float(residual.sum())
+    return target_probs.double() / float(target_probs.sum()) if total <= 0.0 else residual / total
+
+
 def rejection_sample(draft_token_ids, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
                      generator: torch.Generator | None = None) -> list[int]:
     """The tokens to emit for one request: the kept draft prefix, then one recovered or bonus token.
@@ -53,14 +67,10 @@ def rejection_sample(draft_token_ids, target_probs: torch.Tensor, draft_probs: t
         if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, accept):
             out.append(token)
             continue
-        if q is None:  # one-hot draft: the residual is p without the proposed token
-            residual = p.clone()
-            residual[token] = 0.0
-        else:
-            residual = (p - q).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p == q exactly: rejection is impossible, but guard the division
-            residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        if q is None:  # one-hot draft: q is 1 on the proposed token
+            q = torch.zeros_like(p)
+            q[token] = 1.0
+        out.append(int(torch.multinomial(residual_distribution(p, q), 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(p_all[k] / p_all[k].sum(), 1, generator=generator)))  # the bonus token
     return out

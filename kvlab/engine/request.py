@@ -26,7 +26,7 @@ class Request:
     """One sequence the engine serves: prompt plus outputs, of which num_computed_tokens have K/V in the cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 eos_token_id: int | None, prompt: str | None = None):
+                 eos_token_id: int | None, prompt: str | None = None, max_model_len: int | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -34,11 +34,20 @@ class Request:
         self.params = params
         self.arrival = arrival               # order of add_request calls: breaks ties, keeps outputs in order
         self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0         # tokens whose K/V are in the cache
         self.num_preemptions = 0
         self.recompute_until = 0             # tokens whose K/V a recompute preemption threw away
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        # Speculative decoding: tokens a proposer guessed after the last sampled one, verified next step.
+        self.spec_token_ids: list[int] = []
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens (prompt + outputs) this request can reach: its max_tokens, within the model's length."""
+        longest = len(self.prompt_token_ids) + self.params.max_tokens
+        return longest if self.max_model_len is None else min(longest, self.max_model_len)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -52,6 +61,11 @@ class Request:
     def num_tokens_to_compute(self) -> int:
         """Tokens not yet in the cache: the rest of the prompt (or of a recompute), or 1 for a decode."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens the next step may compute up to: the sequence plus its unverified draft tokens."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def is_prefill(self) -> bool:

@@ -30,3 +30,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
         tokens.append(int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen)))
     return tokens
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from at each row of logits [N, V]: temperature, top-k, top-p, softmax."""
+    rows = [torch.softmax(apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p), dim=-1)
+            for row in logits.float().cpu()]
+    return torch.stack(rows)
+
+
+def sample_with_probs(logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """sample(), also returning each row's distribution [V] (None for a greedy row: its draw is an argmax)."""
+    tokens, probs = [], []
+    for row, p, gen in zip(logits.float().cpu(), params, generators):
+        if p.greedy:
+            tokens.append(int(row.argmax()))
+            probs.append(None)
+            continue
+        q = sampling_probs(row[None], p)[0]
+        tokens.append(int(torch.multinomial(q, 1, generator=gen)))
+        probs.append(q)
+    return tokens, probs

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.swap import SwapSpace
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.request import Request, RequestStatus
 
 # ----- the rules, as pure functions -----
@@ -69,11 +70,18 @@ def choose_preemption_victims(running: list[tuple[Hashable, int]], num_free_bloc
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """A request's share of one step: its next num_new_tokens tokens and their cache slots."""
+    """A request's share of one step: its next num_new_tokens tokens and their cache slots.
+
+    With speculative decoding the last num_draft_tokens of them are unverified drafts, and
+    num_lookahead_tokens more slots were held for the draft model's own K/V.
+    """
 
     request: Request
     num_new_tokens: int
     slots: list[int]
+    num_draft_tokens: int = 0
+    num_lookahead_tokens: int = 0
+    samples: bool = True  # the new tokens reach the sequence's end, so this step gives the request tokens
 
 
 @dataclass(slots=True)
@@ -95,7 +103,8 @@ class Scheduler:
     """Waiting, running and swapped queues over one KVCacheManager (and a SwapSpace for swap preemption)."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", swap_space: SwapSpace | None = None):
+                 preemption_mode: str = "recompute", swap_space: SwapSpace | None = None,
+                 num_lookahead_tokens: int = 0):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and swap_space is None:
@@ -105,6 +114,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
+        # Slots past a sampling request's tokens for a draft model's K/V (vLLM's num_lookahead_tokens).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # in admission order: the last one is the next victim
         self.swapped: deque[Request] = deque()
@@ -124,12 +135,16 @@ class Scheduler:
         out = SchedulerOutput()
         running = list(self.running)
         # The budget goes to the running requests first, in admission order.
-        shares = split_token_budget([r.num_tokens_to_compute for r in running], self.max_num_batched_tokens)
+        # A speculating request asks for its draft tokens too; the budget may cut some of them off.
+        shares = split_token_budget([r.num_tokens_with_spec - r.num_computed_tokens for r in running],
+                                    self.max_num_batched_tokens)
         # Preempt until every request the budget reached has room for its tokens.
         victims = choose_preemption_victims(
             [(r.request_id, freed) for r, freed in zip(running, self._blocks_freed_by_preemption())],
             self.kv.num_free_blocks,
-            {r.request_id: self.kv.num_blocks_to_allocate(r.request_id, n) for r, n in zip(running, shares)})
+            {r.request_id: self.kv.num_blocks_to_allocate(r.request_id, n,
+                                                          num_lookahead_tokens=self._lookahead(r, n))
+             for r, n in zip(running, shares)})
         # Every victim goes before anyone allocates, so the room choose_preemption_victims counted is free
         # when the requests the budget reached take their blocks.
         by_id = {r.request_id: r for r in running}
@@ -138,7 +153,7 @@ class Scheduler:
             self._preempt(by_id[request_id], out)
         for request, n in zip(running, shares):
             if n and request in self.running:
-                out.scheduled.append(ScheduledRequest(request, n, self._allocate(request, n)))
+                out.scheduled.append(self._allocate(request, n))
         if out.preempted:
             return out  # no room to spare this step: admit nobody
         budget = self.max_num_batched_tokens - out.num_batched_tokens
@@ -171,22 +186,37 @@ class Scheduler:
             held_before |= own
         return freed
 
-    def _allocate(self, request: Request, n: int, computed_blocks=()) -> list[int]:
+    def _lookahead(self, request: Request, n: int) -> int:
+        """Lookahead slots for a request computing n tokens: only if it samples, never past its longest length."""
+        if not self.num_lookahead_tokens or request.num_computed_tokens + n < request.num_tokens:
+            return 0
+        end = request.num_computed_tokens + n
+        return max(0, min(self.num_lookahead_tokens, request.max_len - end))
+
+    def _allocate(self, request: Request, n: int, computed_blocks=()) -> ScheduledRequest:
         start = request.num_computed_tokens
         # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
         self.num_recomputed_tokens += max(0, min(start + n, request.recompute_until) - start)
-        return self.kv.allocate_slots(request.request_id, n, computed_blocks,
-                                      new_token_ids=request.all_token_ids[start:start + n])
+        num_drafts = max(0, start + n - request.num_tokens)
+        del request.spec_token_ids[num_drafts:]  # drafts the budget did not reach are dropped, as in vLLM V1
+        lookahead = self._lookahead(request, n)
+        tokens = (request.all_token_ids + request.spec_token_ids)[start:start + n]
+        slots = self.kv.allocate_slots(request.request_id, n, computed_blocks, new_token_ids=tokens,
+                                       num_draft_tokens=num_drafts, num_lookahead_tokens=lookahead)
+        return ScheduledRequest(request, n, slots, num_drafts, lookahead, start + n - num_drafts >= request.num_tokens)
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         # A re-admitted (recompute-preempted) request looks up its prompt *and* outputs: the blocks it
         # freed may still be cached, which makes the recompute cheaper.
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
         n = next_chunk_size(request.num_tokens - num_cached, budget)
-        if self.kv.num_blocks_to_allocate(request.request_id, n, hits) > self.kv.num_free_blocks:
+        lookahead = 0
+        if num_cached + n >= request.num_tokens:  # the prompt finishes this step: the drafter runs after it
+            lookahead = max(0, min(self.num_lookahead_tokens, request.max_len - request.num_tokens))
+        if self.kv.num_blocks_to_allocate(request.request_id, n, hits, lookahead) > self.kv.num_free_blocks:
             return None
         request.num_computed_tokens = num_cached
-        scheduled = ScheduledRequest(request, n, self._allocate(request, n, hits))
+        scheduled = self._allocate(request, n, hits)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append(scheduled)
@@ -199,7 +229,7 @@ class Scheduler:
         hits, num_cached = self.kv.get_computed_blocks(rid, tokens[:computed])
         n = next_chunk_size(request.num_tokens_to_compute, budget)
         # Room for the swapped-in blocks and this step's tokens, checked before anything changes.
-        needed = self.kv.num_blocks_to_allocate(rid, computed + n - num_cached, hits)
+        needed = self.kv.num_blocks_to_allocate(rid, computed + n - num_cached, hits, self._lookahead(request, n))
         if needed > self.kv.num_free_blocks:
             return None
         cpu_ids = self.cpu_blocks.pop(rid)
@@ -209,7 +239,7 @@ class Scheduler:
         gpu_ids = self.kv.block_tables[rid][first:len(cpu_ids)]
         self.swap_space.swap_in(cpu_ids[first:], gpu_ids)
         self.swap_space.free(cpu_ids)
-        scheduled = ScheduledRequest(request, n, self._allocate(request, n))
+        scheduled = self._allocate(request, n)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append(scheduled)
@@ -219,11 +249,14 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         rid = request.request_id
+        request.spec_token_ids.clear()  # guessed for a step that will not come; proposed afresh once it runs again
         self.num_preemptions += 1
         request.num_preemptions += 1
         out.preempted.append(rid)
         if self.preemption_mode == "swap":
-            cpu_ids = self.swap_space.swap_out(self.kv.block_tables[rid])
+            # Only the blocks of computed tokens: lookahead blocks past them hold nothing worth keeping.
+            table = self.kv.block_tables[rid][:num_blocks_needed(request.num_computed_tokens, self.kv.block_size)]
+            cpu_ids = self.swap_space.swap_out(table)
             if cpu_ids is not None:
                 self.kv.free(rid)
                 self.cpu_blocks[rid] = cpu_ids

@@ -13,6 +13,8 @@ The drawing never reads an engine directly. `snapshot(engine)` turns the engine 
          "cached": True,                # free but still holding reusable K/V (drawn hatched)
          "hit": True,                   # a prefix-cache hit in the last step (drawn with a thick outline)
          "copied": True,                # a copy-on-write copy made in the last step (drawn with a red outline)
+         "draft": 3,                    # slots of draft tokens waiting to be verified (drawn hatched above the fill)
+         "rolled_back": 2,              # slots of drafts rejected in the last step (drawn with a dotted outline)
          "note": "any extra hover text"},
         ...],
       "sequences": [
@@ -42,6 +44,7 @@ FREE_COLOUR = "#e8e8e8"
 FREE_FILL_COLOUR = "#9e9e9e"  # content kept by a cached-but-free block
 HIT_OUTLINE = "2px solid #000"  # a block hit by the prefix cache in the last step
 COPY_OUTLINE = "2px dashed #D55E00"  # a block that received a copy-on-write copy in the last step
+ROLLBACK_OUTLINE = "2px dotted #CC79A7"  # a block where rejected draft tokens were rolled back in the last step
 CELL_PX = 36
 PLAY_MAX = 10**6  # Play counts up to this; the widget stops it when the engine is done
 
@@ -129,8 +132,19 @@ def _block_html(block: dict, block_size: int) -> str:
     copied = bool(block.get("copied"))
     if copied:
         hover += "; copy-on-write copy made in the last step"
-    outline = f"outline:{COPY_OUTLINE if copied else HIT_OUTLINE};outline-offset:1px;" if hit or copied else ""
+    draft, rolled_back = int(block.get("draft", 0)), int(block.get("rolled_back", 0))
+    if draft:
+        hover += f"; {draft} tentative slot(s) for draft tokens, verified next step"
+    if rolled_back:
+        hover += f"; {rolled_back} slot(s) of rejected draft tokens rolled back in the last step"
+    style = COPY_OUTLINE if copied else HIT_OUTLINE if hit else ROLLBACK_OUTLINE
+    outline = f"outline:{style};outline-offset:1px;" if hit or copied or rolled_back else ""
     height = round(100 * min(fill, block_size) / block_size)
+    draft_height = round(100 * min(draft, block_size - min(fill, block_size)) / block_size)
+    draft_colour = seq_colour(owners[0]) if owners else FREE_FILL_COLOUR
+    draft_bar = (f'<div class="kvlab-draft" style="position:absolute;left:0;right:0;bottom:{height}%;'
+                 f'height:{draft_height}%;background:repeating-linear-gradient(45deg, {draft_colour} 0 3px, '
+                 f'transparent 3px 6px)"></div>') if draft_height else ""
     # Integer ids read "s3"; engines with named requests ("r3", "0_req") show the name itself.
     first = "" if not owners else (f"s{owners[0]}" if isinstance(owners[0], int) else str(owners[0])[:4])
     owner_label = first + ("+" if len(owners) > 1 else "")
@@ -141,12 +155,13 @@ def _block_html(block: dict, block_size: int) -> str:
         f'<div class="kvlab-block" data-block="{_attr(block["id"])}"'
         f' data-owner="{_attr(owners[0] if owners else None)}"'
         f' data-owners="{_esc(" ".join(map(str, owners)))}" data-fill="{fill}" data-cached="{int(cached)}"'
-        f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" data-copied="{int(copied)}" title="{_esc(hover)}"'
+        f' data-ref-count="{_attr(ref_count)}" data-hit="{int(hit)}" data-copied="{int(copied)}"'
+        f' data-draft="{draft}" data-rolled-back="{rolled_back}" title="{_esc(hover)}"'
         f' style="position:relative;box-sizing:border-box;width:{CELL_PX}px;height:{CELL_PX}px;'
         f'border:{border};{outline}'
         f'border-radius:4px;background:{background};overflow:hidden;font:10px/1.1 monospace;color:#111">'
         f'<div class="kvlab-fill" style="position:absolute;left:0;right:0;bottom:0;height:{height}%;'
-        f'background:{bar}"></div>'
+        f'background:{bar}"></div>{draft_bar}'
         f'<span style="{label_style};width:max-content">{_esc(block["id"])}</span>'
         f'<span style="{label_style};width:max-content;font-weight:bold">{_esc(owner_label)}</span>{badge}</div>'
     )
@@ -225,7 +240,7 @@ def _nowrap(*items: str) -> str:
 
 def _legend_html(blocks: list[dict], width_px: int) -> str:
     # Only snapshots that use the sharing fields (Chapter 4 on) get this second legend line.
-    if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit", "copied")):
+    if not any(key in b for b in blocks for key in ("ref_count", "cached", "hit", "copied", "draft", "rolled_back")):
         return ""
     swatch = "display:inline-block;width:10px;height:10px;vertical-align:middle;margin:0 2px 0 0;box-sizing:border-box"
     cached = f"repeating-linear-gradient(45deg, {FREE_COLOUR} 0 2px, #a0a0a0 2px 3px)"
@@ -238,6 +253,11 @@ def _legend_html(blocks: list[dict], width_px: int) -> str:
         'outline = prefix-cache hit in the last step',
         f'<span style="{swatch};outline:{COPY_OUTLINE};outline-offset:1px;margin-left:2px;margin-right:4px"></span>'
         'dashed red = copy-on-write copy in the last step',
+        *((f'<span style="{swatch};background:repeating-linear-gradient(45deg, #555 0 2px, transparent 2px 4px)">'
+           '</span>hatched top = draft slots, verified next step',
+           f'<span style="{swatch};outline:{ROLLBACK_OUTLINE};outline-offset:1px;margin-left:2px;margin-right:4px">'
+           '</span>dotted = rejected drafts rolled back in the last step')
+          if any("draft" in b or "rolled_back" in b for b in blocks) else ()),
     )
     return (f'<div class="kvlab-legend" style="font-size:11px;line-height:16px;color:#555;margin-top:2px;'
             f'max-width:{width_px}px">{items}</div>')
