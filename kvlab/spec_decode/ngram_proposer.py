@@ -23,13 +23,25 @@ def find_ngram_draft(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -
     check_int("k", k, minimum=0)
     tokens = list(token_ids)
     total = len(tokens)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:]
-        # An occurrence must end before the last token, so at least one token follows it.
-        for start in range(total - n):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+    if total < 2:
+        return []
+    last = tokens[-1]
+    best_n, best_start = 0, 0
+    # One scan over where an occurrence could end (a token must follow it); each candidate is extended
+    # backwards. Only a strictly longer match replaces the best, so ties keep the earliest.
+    for end in range(total - 1):
+        if tokens[end] != last:
+            continue
+        n = 1
+        while n < max_n and n <= end and tokens[end - n] == tokens[total - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_start = n, end - n + 1
+            if n == max_n:
+                break
+    if best_n < min_n:
+        return []
+    return tokens[best_start + best_n:best_start + best_n + k]
 
 
 class NgramProposer:
