@@ -24,6 +24,7 @@ request raises and the engine keeps serving the others.
 """
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ from kvlab.cache.swap import SwapSpace
 from kvlab.core.block_views import counters_for
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.paging import num_blocks_needed
-from kvlab.engine.metrics import Metric, engine_metrics
+from kvlab.engine.metrics import Metric, RequestLatencies, engine_metrics
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.rejection_sampler import greedy_verify, rejection_sample
 from kvlab.engine.request import FINISH_REASONS, CompletionOutput, Request, RequestOutput, RequestStatus
@@ -129,6 +130,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0                   # prompt tokens of requests that produced their first token
         self.num_generation_tokens = 0
         self.num_finished_requests = 0
+        self.latencies = RequestLatencies()          # TTFT, inter-token and end-to-end, from add_request on
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> its drafts' distributions [k, V]
         # The last step's rollbacks, for the block map: request id -> (first rejected position, rejected, freed ids).
         self.last_rollbacks: dict[str, tuple[int, int, list[int]]] = {}
@@ -166,14 +168,14 @@ class LLMEngine:
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 
-    def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request (text or token ids); checked completely before anything changes."""
+    def check_request(self, prompt, params: SamplingParams | None = None, request_id="request") -> tuple:
+        """(text, token ids, params) of a request that the engine can serve; ValueError saying why otherwise.
+
+        Reads only the engine's fixed limits, so a front end may call it from any thread.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
-        if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._token_ids(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r} has an empty prompt: give at least one token")
@@ -190,6 +192,14 @@ class LLMEngine:
                 f"request {request_id!r} can never fit: prompt and max_tokens need up to {longest} tokens = "
                 f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but the pool has "
                 f"{self.num_blocks} blocks in all")
+        return text, ids, params
+
+    def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request (text or token ids); checked completely before anything changes."""
+        request_id = str(request_id)
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, params = self.check_request(prompt, params, request_id)
         children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.parents[request_id] = children
         for i, child in enumerate(children):
@@ -198,6 +208,7 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + i
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             req = Request(child, ids, child_params, self._arrivals, self.eos_token_id, text, self.max_model_len)
+            req.arrival_time = req.last_token_time = time.perf_counter()
             self._arrivals += 1
             self.requests[child] = req
             self.scheduler.add(req)
@@ -277,6 +288,7 @@ class LLMEngine:
                 if s.request.status.finished:
                     self._finish(s.request)
                     self.num_finished_requests += 1
+                    self.latencies.e2e.observe(s.request.last_token_time - s.request.arrival_time)
         self._record(sched, prefills)
         return [self.output(rid) for rid in moved]
 
@@ -295,8 +307,13 @@ class LLMEngine:
     def _emit(self, s: ScheduledRequest, tokens: list[int]) -> None:
         """Append a request's new tokens (stopping where it finishes) and roll back its rejected drafts."""
         req = s.request
+        now = time.perf_counter()
         if not req.output_token_ids:
             self.num_prompt_tokens += len(req.prompt_token_ids)
+            self.latencies.ttft.observe(now - req.arrival_time)
+        else:
+            self.latencies.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
         emitted = 0
         for token in tokens:
             req.append_output(token, self.max_model_len)

@@ -42,6 +42,7 @@ class Request:
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Speculative decoding: tokens a proposer guessed after the last sampled one, verified next step.
         self.spec_token_ids: list[int] = []
+        self.arrival_time = self.last_token_time = 0.0  # perf_counter seconds, set by the engine
 
     @property
     def max_len(self) -> int:

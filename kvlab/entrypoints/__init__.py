@@ -1,0 +1,1 @@
+"""How users reach the engine from outside Python, as vLLM's entrypoints: `kvlab serve`, an OpenAI-compatible server."""

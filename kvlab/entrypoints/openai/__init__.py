@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request schemas (protocol), the chat template, the FastAPI app (api_server)."""
