@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlab.analysis.contiguous import POLICIES as RESERVATION_POLICIES
+from kvlab.analysis.contiguous import reservation_slots
 from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.cache.kv_storage import block_bytes as kv_block_bytes
 from kvlab.cache.kv_storage import resolve_kv_cache_dtype
@@ -61,11 +63,18 @@ class LLMEngine:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  num_cpu_blocks: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 decode_backend: str = "auto", kv_cache_dtype: str = "auto", speculative_config=None):
+                 decode_backend: str = "auto", kv_cache_dtype: str = "auto", speculative_config=None,
+                 reservation_policy: str | None = None):
         # First, so a bad name allocates nothing; "fp8" becomes "fp8_e4m3".
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.speculative_config = None if speculative_config is None \
             else SpeculativeConfig.from_dict(speculative_config)
+        if reservation_policy is not None and reservation_policy not in RESERVATION_POLICIES:
+            raise ValueError(f"reservation_policy must be None (paging) or one of {', '.join(RESERVATION_POLICIES)}, "
+                             f"got {reservation_policy!r}")
+        # The paper's baselines on this engine: Orca reserves a request's blocks at admission, for its maximum
+        # length (max), the next power of two of its real length (pow2) or its real length (oracle).
+        self.reservation_policy = reservation_policy
         spec = self.speculative_config
         draft_model = self._load_draft_model(model) if spec is not None and spec.method == "draft_model" else None
         self.model, self.tokenizer = model, tokenizer
@@ -187,6 +196,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: its prompt of {len(ids)} tokens leaves no room for a new "
                              f"token within max_model_len {self.max_model_len}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.reservation_policy is not None:  # the reservation must fit, not only the tokens
+            longest = reservation_slots(self.reservation_policy, len(ids), longest - len(ids), self.max_model_len)
         if num_blocks_needed(longest, self.block_size) > self.num_blocks:
             raise ValueError(
                 f"request {request_id!r} can never fit: prompt and max_tokens need up to {longest} tokens = "
@@ -209,6 +220,11 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             req = Request(child, ids, child_params, self._arrivals, self.eos_token_id, text, self.max_model_len)
             req.arrival_time = req.last_token_time = time.perf_counter()
+            if self.reservation_policy is not None:
+                # The real length is prompt + max_tokens: the baselines run each request to its max_tokens.
+                req.reserved_len = reservation_slots(self.reservation_policy, len(ids),
+                                                     min(params.max_tokens, self.max_model_len - len(ids)),
+                                                     self.max_model_len)
             self._arrivals += 1
             self.requests[child] = req
             self.scheduler.add(req)

@@ -43,6 +43,8 @@ class Request:
         # Speculative decoding: tokens a proposer guessed after the last sampled one, verified next step.
         self.spec_token_ids: list[int] = []
         self.arrival_time = self.last_token_time = 0.0  # perf_counter seconds, set by the engine
+        # Tokens whose blocks are reserved at admission (an Orca-style baseline); 0: blocks as tokens come (paging).
+        self.reserved_len = 0
 
     @property
     def max_len(self) -> int:

@@ -186,12 +186,17 @@ class Scheduler:
             held_before |= own
         return freed
 
-    def _lookahead(self, request: Request, n: int) -> int:
-        """Lookahead slots for a request computing n tokens: only if it samples, never past its longest length."""
-        if not self.num_lookahead_tokens or request.num_computed_tokens + n < request.num_tokens:
-            return 0
-        end = request.num_computed_tokens + n
-        return max(0, min(self.num_lookahead_tokens, request.max_len - end))
+    def _lookahead(self, request: Request, n: int, start: int | None = None) -> int:
+        """Slots held past a request's n new tokens from `start` (default: its computed tokens).
+
+        A draft model's lookahead, only when the request samples and never past its longest length;
+        or, for an Orca-style reservation (request.reserved_len), whatever of it is not yet allocated.
+        """
+        end = (request.num_computed_tokens if start is None else start) + n
+        reserve = max(0, request.reserved_len - end)
+        if not self.num_lookahead_tokens or end < request.num_tokens:
+            return reserve
+        return max(reserve, min(self.num_lookahead_tokens, request.max_len - end))
 
     def _allocate(self, request: Request, n: int, computed_blocks=()) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -210,9 +215,7 @@ class Scheduler:
         # freed may still be cached, which makes the recompute cheaper.
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
         n = next_chunk_size(request.num_tokens - num_cached, budget)
-        lookahead = 0
-        if num_cached + n >= request.num_tokens:  # the prompt finishes this step: the drafter runs after it
-            lookahead = max(0, min(self.num_lookahead_tokens, request.max_len - request.num_tokens))
+        lookahead = self._lookahead(request, n, start=num_cached)
         if self.kv.num_blocks_to_allocate(request.request_id, n, hits, lookahead) > self.kv.num_free_blocks:
             return None
         request.num_computed_tokens = num_cached

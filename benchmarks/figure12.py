@@ -1,0 +1,128 @@
+"""The paper's Figure 12 on this CPU: normalized latency against request rate, paging against Orca's reservations.
+
+Kwon et al. (SOSP 2023, Fig. 12) serve ShareGPT requests arriving as a Poisson process and plot the
+normalized latency (mean end-to-end latency / output length, s/token) against the request rate, for
+vLLM, Orca with three reservation rules (Max, Pow2, Oracle) and FasterTransformer (static batching):
+the rate at which each curve shoots up is the load it sustains. Here the same kvlab engine, the same
+KV memory (--num-blocks blocks of 16) and the same scheduler run every system; the only difference is
+the allocation policy:
+
+  paged (kvlab)   blocks as tokens come (this course)
+  orca-oracle     at admission, blocks for the request's real length (prompt + output)
+  orca-pow2       ... for the next power of two of its real length
+  orca-max        ... for the model's maximum length (256)
+  static          static batching (kvlab.baselines.static_batching): batches of num_blocks x 16 / 256
+                  requests, each padded to its batch's longest, returned when the batch is done
+
+Requests: the first --requests of the shipped chat trace (ShareGPT-like lengths) scaled to the 256-token
+context, greedy, each to its output length. Arrivals and latencies on a virtual clock made of measured
+step times (kvlab.baselines.online_replay), so a sweep takes minutes. Reported: normalized latency per
+system and rate, the highest rate each sustains under --bound x paging's unloaded normalized latency,
+and paged / Orca ratios of those rates (the paper: 1.7-2.7x over Orca Oracle, 2.7-8x over Orca Max on
+ShareGPT). About 4 minutes on a 2-core CPU::
+
+    OMP_NUM_THREADS=1 python benchmarks/figure12.py [--requests 64] [--num-blocks 64] [--bound 2]
+        [--json benchmarks/results/figure12.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
+
+SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
+RATES = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+BLOCK_SIZE, CONTEXT = 16, 256
+
+
+def workload(tokenizer, count: int):
+    from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
+    from kvlab.paths import ASSETS_DIR
+
+    fitted = scale_to_context(load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count], CONTEXT)
+    text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text(encoding="utf-8")
+    return prompts_from_text(fitted, text, lambda s: tokenizer(s)["input_ids"]), [r.output_len for r in fitted]
+
+
+def run_system(system: str, model, tokenizer, prompts, lens, rate: float, num_blocks: int, seed: int):
+    from kvlab.baselines.online_replay import replay, replay_static
+    from kvlab.baselines.static_batching import StaticBatchingEngine
+    from kvlab.engine.llm_engine import LLMEngine
+
+    if system == "static":
+        batch = max(1, num_blocks * BLOCK_SIZE // CONTEXT)
+        engine = StaticBatchingEngine(model, tokenizer, batch_size=batch, block_size=BLOCK_SIZE)
+        return replay_static(engine, prompts, lens, rate, batch, seed)
+    policy = None if system == "paged" else system.removeprefix("orca-")
+    return replay(lambda: LLMEngine(model, tokenizer, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                                    max_num_seqs=256, max_num_batched_tokens=256, reservation_policy=policy),
+                  prompts, lens, rate, seed)
+
+
+def main(argv=None) -> dict:
+    from tqdm.std import tqdm
+
+    from kvlab import load_model
+    from kvlab.analysis.latency import knee_rate
+    from kvlab.baselines.online_replay import normalized_latency
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--num-blocks", type=int, default=64, help="KV memory: blocks of 16 tokens (64 = 4 x 256)")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--bound", type=float, default=2.0,
+                        help="a rate is sustained while normalized latency <= bound x paging's at the lowest rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "figure12.json")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model()
+    prompts, lens = workload(tokenizer, args.requests)
+    curves: dict[str, dict[float, float]] = {s: {} for s in args.systems}
+    bar = tqdm(total=len(args.systems) * len(args.rates), desc="system x rate", unit="run", file=sys.stdout,
+               mininterval=1.0)
+    started = time.perf_counter()
+    for system in args.systems:
+        for rate in args.rates:
+            timings = run_system(system, model, tokenizer, prompts, lens, rate, args.num_blocks, args.seed)
+            curves[system][rate] = normalized_latency(timings)
+            bar.update(1)
+    bar.close()
+    reference = "paged" if "paged" in curves else args.systems[0]
+    low = min(args.rates)
+    bound = args.bound * curves[reference][low]
+    # knee_rate's bound is relative to a curve's own first point: scale it to the reference's.
+    sustained = {s: knee_rate(list(c), list(c.values()), bound / c[low]) if c[low] <= bound else 0.0
+                 for s, c in curves.items()}
+
+    print(f"\n{args.requests} chat-trace requests, {args.num_blocks} blocks of {BLOCK_SIZE} tokens of KV memory; "
+          f"normalized latency in ms per output token ({time.perf_counter() - started:.0f} s)")
+    print(f"{'rate (req/s)':>12} " + " ".join(f"{s:>12}" for s in args.systems))
+    for rate in args.rates:
+        print(f"{rate:>12g} " + " ".join(f"{curves[s][rate] * 1e3:12.2f}" for s in args.systems))
+    print(f"\nhighest rate with normalized latency <= {bound * 1e3:.2f} ms/token ({args.bound:g}x {reference}'s at "
+          f"{min(args.rates):g} req/s):")
+    for s in args.systems:
+        print(f"  {s:<12} {sustained[s]:g} req/s")
+    if "paged" in sustained:
+        for s in args.systems:
+            if s != "paged" and sustained[s] > 0:
+                print(f"  paged / {s}: {sustained['paged'] / sustained[s]:.2f}x")
+    report = {"curves_s_per_token": {s: {str(r): v for r, v in c.items()} for s, c in curves.items()},
+              "bound_s_per_token": bound, "sustained_rate": sustained, "requests": args.requests,
+              "num_blocks": args.num_blocks, "block_size": BLOCK_SIZE}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Serving latencies from a request's timestamps, as `vllm bench serve` defines them, and two decisions made with them.
+
+    arrival ----- first token ---- token ---- token ---- ... ---- last token
+            TTFT              ITL       ITL                          (E2E = last - arrival)
+
+TPOT (time per output token) averages the decode part: (E2E - TTFT) / (tokens - 1). ITL lists every
+gap between consecutive token arrivals; with streaming, a chunk that carries several tokens (a
+speculative step) is one arrival. `knee_rate` finds the highest request rate before latency
+shoots up; `pick_token_budget` chooses max_num_batched_tokens for a TTFT and an ITL target.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyMetrics:
+    """One request's latencies (seconds)."""
+
+    ttft: float
+    tpot: float | None       # None for a single-token output: there is no decode part
+    itl: tuple[float, ...]
+    e2e: float
+
+
+def latency_metrics(arrival: float, token_times, num_tokens: int | None = None) -> LatencyMetrics:
+    """TTFT, TPOT, ITL and E2E of a request that arrived at `arrival` and got tokens at token_times (sorted).
+
+    num_tokens: tokens generated, when an arrival can carry several (default: one per arrival).
+    """
+    times = [float(t) for t in token_times]
+    if not times:
+        raise ValueError("a request with no tokens has no latencies")
+    if any(b < a for a, b in zip(times, times[1:])) or times[0] < arrival:
+        raise ValueError("token times must be sorted and not before the arrival")
+    n = len(times) if num_tokens is None else num_tokens
+    if n < len(times):
+        raise ValueError(f"{len(times)} token arrivals cannot carry only {n} tokens")
+    ttft, e2e = times[0] - arrival, times[-1] - arrival
+    tpot = (e2e - ttft) / (n - 1) if n > 1 else None
+    return LatencyMetrics(ttft, tpot, tuple(b - a for a, b in zip(times, times[1:])), e2e)
+
+
+def knee_rate(rates, latencies, factor: float = 2.0) -> float:
+    """The highest rate whose latency stays within factor x the latency at the lowest rate (0 if none after it).
+
+    rates and latencies pair up; rates above the first one that breaks the bound do not count, even if
+    a later one happens to dip below it again.
+    """
+    pairs = sorted(zip(rates, latencies))
+    if not pairs:
+        raise ValueError("no measurements")
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    bound = factor * pairs[0][1]
+    best = pairs[0][0]
+    for rate, latency in pairs:
+        if latency > bound:
+            break
+        best = rate
+    return best
+
+
+def pick_token_budget(measurements: dict, ttft_slo: float, itl_slo: float) -> int | None:
+    """The max_num_batched_tokens to run: of the budgets whose p99 ITL and p99 TTFT meet their SLOs, the one
+    with the lowest TTFT (ties: the smaller budget); None when no budget meets both.
+
+    measurements: budget -> (ttft_p99, itl_p99) in the same unit as the SLOs.
+    """
+    ok = [(ttft, budget) for budget, (ttft, itl) in measurements.items() if ttft <= ttft_slo and itl <= itl_slo]
+    return min(ok)[1] if ok else None

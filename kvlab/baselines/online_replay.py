@@ -1,0 +1,126 @@
+"""Serving under load without waiting for the wall clock: Poisson arrivals replayed against a real engine.
+
+The engine runs for real; only idle time is skipped. A virtual clock advances by each step's measured
+wall time, and requests join when the clock passes their arrival (Poisson, seeded); when nothing runs,
+the clock jumps to the next arrival. So every latency below is made of measured step times, and a
+sweep over request rates takes as long as the computing it needs, not as long as the arrivals span:
+
+    timings = replay(make_engine, prompts, output_lens, rate=4.0, seed=0)
+    normalized_latency(timings)     # mean over requests of end-to-end latency / output tokens (s/token)
+
+Static batching (FasterTransformer-like) is replayed batch by batch: a batch starts when the engine
+is free, takes up to batch_size waiting requests, and all of them finish when its longest one does.
+"""
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTiming:
+    """One request's life on the virtual clock (seconds)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    first_token: float | None = None
+    finish: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each step that gave it tokens ended
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (s) of num requests at `rate` per second; all at 0 for an infinite rate."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests per second, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num):
+        times.append(t)
+        if rate != float("inf"):
+            t += rng.expovariate(rate)
+    return times
+
+
+def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6
+           ) -> list[RequestTiming]:
+    """Replay the requests at `rate` on a fresh engine from make_engine(); greedy, each to its output length."""
+    from kvlab.engine.sampling_params import SamplingParams
+
+    engine = make_engine()
+    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
+    clock, nxt, done = 0.0, 0, 0
+    for _ in range(max_steps):
+        while nxt < len(prompts) and arrivals[nxt] <= clock:
+            engine.add_request(str(nxt), prompts[nxt], SamplingParams(temperature=0, max_tokens=output_lens[nxt],
+                                                                     ignore_eos=True))
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            if nxt == len(prompts):
+                break
+            clock = max(clock, arrivals[nxt])  # idle: jump to the next arrival
+            continue
+        start = time.perf_counter()
+        outputs = engine.step()
+        clock += time.perf_counter() - start
+        for out in outputs:
+            t = timings[int(out.request_id)]
+            t.token_times.append(clock)
+            if t.first_token is None:
+                t.first_token = clock
+            if out.finished:
+                t.finish = clock
+                done += 1
+    if done != len(prompts):
+        raise RuntimeError(f"only {done} of {len(prompts)} requests finished within {max_steps} steps")
+    return timings
+
+
+def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: int, seed: int = 0
+                  ) -> list[RequestTiming]:
+    """Static batching at `rate`: batches of up to batch_size waiting requests, each run to its longest member."""
+    from kvlab.engine.sampling_params import SamplingParams
+
+    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
+    clock, nxt = 0.0, 0
+    while nxt < len(prompts):
+        clock = max(clock, arrivals[nxt])
+        batch = [i for i in range(nxt, len(prompts)) if arrivals[i] <= clock][:batch_size]
+        start = time.perf_counter()
+        static_engine.generate([prompts[i] for i in batch],
+                               [SamplingParams(temperature=0, max_tokens=output_lens[i], ignore_eos=True)
+                                for i in batch])
+        clock += time.perf_counter() - start
+        for i in batch:  # a static batch returns when its longest member is done
+            timings[i].first_token = timings[i].finish = clock
+            timings[i].token_times = [clock]
+        nxt = batch[-1] + 1
+    return timings
+
+
+def normalized_latency(timings: list[RequestTiming]) -> float:
+    """The paper's metric: the mean over requests of end-to-end latency divided by output length (s/token)."""
+    return statistics.fmean(t.e2e / t.output_len for t in timings)
+
+
+def percentile(values, q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; values need not be sorted."""
+    values = sorted(values)
+    if not values:
+        raise ValueError("no values")
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
