@@ -1,4 +1,4 @@
-"""Chapter 9's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values with a float32 scale per (block, KV head).
+"""Chapter 10's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values with a float32 scale per (block, KV head).
 
     stored = quantize(x / scale)        x ~ stored * scale
 

@@ -1,4 +1,4 @@
-"""Chapter 9's quantized paged KV store: the same pools and runner hook as PagedKVCache, in 8 bits.
+"""Chapter 10's quantized paged KV store: the same pools and runner hook as PagedKVCache, in 8 bits.
 
 Each layer keeps a K pool and a V pool of blocks [num_blocks, block_size, Hkv, D], stored as int8
 or as fp8 (torch.float8_e4m3fn), plus a float32 scale per (block, KV head) for K and one for V:
@@ -7,7 +7,7 @@ or as fp8 (torch.float8_e4m3fn), plus a float32 scale per (block, KV head) for K
 
 The format itself (scale choice, requantisation as a block fills, static scales) is
 kvlab.cache.kv_storage.QuantizedKVStorage; any PagedKVCache takes it with kv_cache_dtype="int8" or
-"fp8", and any decode backend reads it. QuantizedPagedKVCache is that cache with Chapter 9's
+"fp8", and any decode backend reads it. QuantizedPagedKVCache is that cache with Chapter 10's
 defaults: 8-bit storage and the torch reference attention of Chapter 3 (gather the sequence's
 blocks through its block table, dequantise, then causal attention).
 

@@ -3,7 +3,7 @@
 Importing this package on a machine without CUDA switches Triton to its interpreter
 (TRITON_INTERPRET=1, set in paged_decode.py before the kernels are defined) unless the variable is
 already set, so the kernels run on CPU tensors; with CUDA they are compiled for the GPU.
-The pools may also be int8 or float8_e4m3fn (Chapter 9's QuantizedPagedKVCache) with k_scale and v_scale.
+The pools may also be int8 or float8_e4m3fn (Chapter 10's QuantizedPagedKVCache) with k_scale and v_scale.
 kvlab.kernels.aot compiles them for a GPU that is not here.
 """
 

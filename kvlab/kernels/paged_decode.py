@@ -18,7 +18,7 @@ This module holds what the kernels share (validation, the interpreter/compiler s
                            32 heads a one-pass grid has few programs for a GPU of 132 SMs; splitting a 32k
                            context 17 ways gives each SM about four.
 
-Quantized pools (Chapter 9's kvlab.cache.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
+Quantized pools (Chapter 10's kvlab.cache.quantized_cache): the pools may hold int8 or torch.float8_e4m3fn values
 with one float32 scale per (physical block, KV head) for K and one for V, k_scale and v_scale
 [num_blocks, num_kv_heads]. The kernels load the 8-bit values, convert them to fp32 and multiply each position
 by its block's scale right after the load (real value = stored * scale), so everything after the loads is

@@ -2,7 +2,7 @@
 
 The same math as kvlab.cache.paged_cache.paged_attention with a single query per sequence: gather the
 sequence's keys and values through its block table, then softmax(q k^T * scale) v in fp32.
-Quantized pools (int8 or fp8, Chapter 9) are dequantised right after the gather with
+Quantized pools (int8 or fp8, Chapter 10) are dequantised right after the gather with
 kvlab.quantization.dequantize: stored * the scale of each (block, KV head).
 """
 

@@ -1,4 +1,4 @@
-"""Chapter 7 on Chapter 9's pools: the Triton paged decode kernels reading int8 / fp8 K and V with their scales.
+"""Chapter 7 on Chapter 10's pools: the Triton paged decode kernels reading int8 / fp8 K and V with their scales.
 
 The pools come from kvlab.cache.quantized_cache.QuantizedPagedKVCache (random K/V written through its `write`, a
 prefill then one decode token, so block scales grow and requantise as in serving), and the kernels get
@@ -171,9 +171,9 @@ def test_matches_chapter_8s_quantized_attention():
     cache = batch.cache
     for i, n in enumerate(batch.lens.tolist()):
         table = batch.tables[i, : -(-n // 16)].tolist()
-        chapter9 = quantized_paged_attention(batch.q[i][:, None], cache.k_pools[LAYER], cache.v_pools[LAYER],
+        chapter10 = quantized_paged_attention(batch.q[i][:, None], cache.k_pools[LAYER], cache.v_pools[LAYER],
                                              cache.k_scales[LAYER], cache.v_scales[LAYER], table, n, 64 ** -0.5)[0]
-        check(f"kernel vs Chapter 9's quantized_paged_attention, sequence {i}", out[i], chapter9, 1e-5)
+        check(f"kernel vs Chapter 10's quantized_paged_attention, sequence {i}", out[i], chapter10, 1e-5)
 
 
 def test_quantized_directly_with_the_caches_functions():
