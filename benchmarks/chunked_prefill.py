@@ -7,11 +7,11 @@ its first token (TTFT); a budget as large as the whole prompt prefills it in one
 decode sharing that step. Workload: --decodes short prompts generating --decode-tokens tokens each,
 and among them --long long prompts (--long-len tokens from the shipped text) asking for 8 tokens, all
 arriving as one Poisson process at --rate per second; greedy; the same engine and KV memory for every
-budget; the virtual clock of kvlab.baselines.online_replay (measured step times). Reported per budget:
+budget; the virtual clock of kvlab.baselines.online_replay (each step's measured CPU time). Reported per budget:
 TTFT of the long prompts (mean, p99), ITL of the decodes (median, p99), steps. About a minute::
 
     OMP_NUM_THREADS=1 python benchmarks/chunked_prefill.py [--budgets 32 64 128 256] [--rate 20]
-        [--json benchmarks/results/chunked_prefill.json]
+        [--json benchmarks/saved/chunked_prefill.json]   (the saved run Chapter 9 plots)
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--long", type=int, default=8)
     parser.add_argument("--long-len", type=int, default=224)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "chunked_prefill.json")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "saved" / "chunked_prefill.json")
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()

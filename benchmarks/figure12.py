@@ -16,13 +16,14 @@ the allocation policy:
 
 Requests: the first --requests of the shipped chat trace (ShareGPT-like lengths) scaled to the 256-token
 context, greedy, each to its output length. Arrivals and latencies on a virtual clock made of measured
-step times (kvlab.baselines.online_replay), so a sweep takes minutes. Reported: normalized latency per
+step times (kvlab.baselines.online_replay; each step's CPU time, so other work on the machine does not
+inflate it), so a sweep takes minutes. Reported: normalized latency per
 system and rate, the highest rate each sustains under --bound x paging's unloaded normalized latency,
 and paged / Orca ratios of those rates (the paper: 1.7-2.7x over Orca Oracle, 2.7-8x over Orca Max on
 ShareGPT). About 4 minutes on a 2-core CPU::
 
     OMP_NUM_THREADS=1 python benchmarks/figure12.py [--requests 64] [--num-blocks 64] [--bound 2]
-        [--json benchmarks/results/figure12.json]
+        [--json benchmarks/saved/figure12.json]   (the saved sweep Chapter 9 plots)
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--bound", type=float, default=2.0,
                         help="a rate is sustained while normalized latency <= bound x paging's at the lowest rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "figure12.json")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "saved" / "figure12.json")
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model()

@@ -19,4 +19,10 @@ export HF_HUB_OFFLINE=1              # tests use local models only
 # Notebook kernels, JupyterLab and Chromium share two cores with pytest: one torch thread per
 # process avoids spin-waiting threads that slow the tiny models' steps 30-40x.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist), each test file on one of them and the grader's chapters spread over
+# both (tests/conftest.py); KVLAB_TEST_WORKERS=0 runs everything in this one process.
+workers="${KVLAB_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+    exec .venv/bin/python -m pytest "$@"
+fi
+exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"

@@ -65,3 +65,18 @@ def load_release_tool():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist's --dist loadgroup (scripts/test.sh runs two workers), keep each test file on one worker,
+    so its module fixtures (a loaded model, a server) are built once, and split the grader's tests by assignment,
+    so the chapters' nbgrader runs spread over both workers."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = item.nodeid.split("::")[0]
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if group.endswith("test_grading.py") and "name" in params:
+            group = f"grading-{params['name']}"
+        item.add_marker(pytest.mark.xdist_group(group))

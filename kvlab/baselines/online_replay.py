@@ -1,12 +1,16 @@
 """Serving under load without waiting for the wall clock: Poisson arrivals replayed against a real engine.
 
 The engine runs for real; only idle time is skipped. A virtual clock advances by each step's measured
-wall time, and requests join when the clock passes their arrival (Poisson, seeded); when nothing runs,
+time, and requests join when the clock passes their arrival (Poisson, seeded); when nothing runs,
 the clock jumps to the next arrival. So every latency below is made of measured step times, and a
 sweep over request rates takes as long as the computing it needs, not as long as the arrivals span:
 
     timings = replay(make_engine, prompts, output_lens, rate=4.0, seed=0)
     normalized_latency(timings)     # mean over requests of end-to-end latency / output tokens (s/token)
+
+A step's time is the CPU time this process spent in it (time.process_time; run with one torch thread),
+so other work on the machine does not inflate it; clock="wall" measures wall time instead, which a
+GPU run needs (the CPU waits for the device).
 
 Static batching (FasterTransformer-like) is replayed batch by batch: a batch starts when the engine
 is free, takes up to batch_size waiting requests, and all of them finish when its longest one does.
@@ -55,60 +59,71 @@ def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6
-           ) -> list[RequestTiming]:
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def _timer(clock: str):
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    return CLOCKS[clock]
+
+
+def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6,
+           clock: str = "cpu") -> list[RequestTiming]:
     """Replay the requests at `rate` on a fresh engine from make_engine(); greedy, each to its output length."""
     from kvlab.engine.sampling_params import SamplingParams
 
+    timer = _timer(clock)
     engine = make_engine()
     arrivals = poisson_arrivals(len(prompts), rate, seed)
     timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
-    clock, nxt, done = 0.0, 0, 0
+    now, nxt, done = 0.0, 0, 0
     for _ in range(max_steps):
-        while nxt < len(prompts) and arrivals[nxt] <= clock:
+        while nxt < len(prompts) and arrivals[nxt] <= now:
             engine.add_request(str(nxt), prompts[nxt], SamplingParams(temperature=0, max_tokens=output_lens[nxt],
                                                                      ignore_eos=True))
             nxt += 1
         if not engine.has_unfinished_requests():
             if nxt == len(prompts):
                 break
-            clock = max(clock, arrivals[nxt])  # idle: jump to the next arrival
+            now = max(now, arrivals[nxt])  # idle: jump to the next arrival
             continue
-        start = time.perf_counter()
+        start = timer()
         outputs = engine.step()
-        clock += time.perf_counter() - start
+        now += timer() - start
         for out in outputs:
             t = timings[int(out.request_id)]
-            t.token_times.append(clock)
+            t.token_times.append(now)
             if t.first_token is None:
-                t.first_token = clock
+                t.first_token = now
             if out.finished:
-                t.finish = clock
+                t.finish = now
                 done += 1
     if done != len(prompts):
         raise RuntimeError(f"only {done} of {len(prompts)} requests finished within {max_steps} steps")
     return timings
 
 
-def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: int, seed: int = 0
-                  ) -> list[RequestTiming]:
+def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: int, seed: int = 0,
+                  clock: str = "cpu") -> list[RequestTiming]:
     """Static batching at `rate`: batches of up to batch_size waiting requests, each run to its longest member."""
     from kvlab.engine.sampling_params import SamplingParams
 
+    timer = _timer(clock)
     arrivals = poisson_arrivals(len(prompts), rate, seed)
     timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
-    clock, nxt = 0.0, 0
+    now, nxt = 0.0, 0
     while nxt < len(prompts):
-        clock = max(clock, arrivals[nxt])
-        batch = [i for i in range(nxt, len(prompts)) if arrivals[i] <= clock][:batch_size]
-        start = time.perf_counter()
+        now = max(now, arrivals[nxt])
+        batch = [i for i in range(nxt, len(prompts)) if arrivals[i] <= now][:batch_size]
+        start = timer()
         static_engine.generate([prompts[i] for i in batch],
                                [SamplingParams(temperature=0, max_tokens=output_lens[i], ignore_eos=True)
                                 for i in batch])
-        clock += time.perf_counter() - start
+        now += timer() - start
         for i in batch:  # a static batch returns when its longest member is done
-            timings[i].first_token = timings[i].finish = clock
-            timings[i].token_times = [clock]
+            timings[i].first_token = timings[i].finish = now
+            timings[i].token_times = [now]
         nxt = batch[-1] + 1
     return timings
 

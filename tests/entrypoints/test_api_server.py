@@ -8,10 +8,11 @@ import random
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from serving_helpers import wait_idle
+from serving_helpers import serve_embedded, wait_idle
 
 from kvlab import LLM, SamplingParams, load_model
 
+served = pytest.fixture(scope="module")(serve_embedded)
 MODEL = "kvlab-embedded"
 PROMPTS = ["OTHELLO.\n", "HAMLET.\nTo be, or not", "ROMEO.\n", "JULIET.\nO Romeo", "MACBETH.\nIs this a dagger",
            "PORTIA.\n", "KING LEAR.\nNothing", "PROSPERO.\n"]

@@ -5,7 +5,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+from serving_helpers import serve_embedded
+
 ROOT = Path(__file__).resolve().parents[2]
+served = pytest.fixture(scope="module")(serve_embedded)
 
 
 def load():
