@@ -1,0 +1,36 @@
+"""benchmarks/figure12.py and benchmarks/chunked_prefill.py run end to end on tiny settings and write their JSON."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_figure12_sweeps_every_system(tmp_path, capsys):
+    out = tmp_path / "fig12.json"
+    report = load("figure12").main(["--requests", "4", "--rates", "1000", "--num-blocks", "32",
+                                    "--systems", "paged", "orca-max", "static", "--json", str(out)])
+    assert set(report["curves_s_per_token"]) == {"paged", "orca-max", "static"}
+    assert all(v > 0 for curve in report["curves_s_per_token"].values() for v in curve.values())
+    assert json.loads(out.read_text())["num_blocks"] == 32
+    assert "paged / orca-max" in capsys.readouterr().out or report["sustained_rate"]["orca-max"] == 0
+
+
+def test_chunked_prefill_reports_each_budget(tmp_path):
+    out = tmp_path / "chunk.json"
+    report = load("chunked_prefill").main(["--budgets", "16", "64", "--decodes", "3", "--long", "1",
+                                           "--decode-tokens", "6", "--long-len", "40", "--json", str(out)])
+    rows = report["rows"]
+    assert [r["max_num_batched_tokens"] for r in rows] == [16, 64]
+    assert all(r["ttft_long_p99_ms"] >= r["ttft_long_mean_ms"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
