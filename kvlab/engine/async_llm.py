@@ -47,8 +47,8 @@ class AsyncLLM:
     async def _engine_loop(self) -> None:
         try:
             while True:
+                self._wake.clear()  # before the check: a request added after it sets the event again
                 if not await self.run(self.engine.has_unfinished_requests):
-                    self._wake.clear()
                     await self._wake.wait()
                     continue
                 for out in await self.run(self.engine.step):
