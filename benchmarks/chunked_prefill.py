@@ -10,7 +10,7 @@ arriving as one Poisson process at --rate per second; greedy; the same engine an
 budget; the virtual clock of kvlab.baselines.online_replay (each step's measured CPU time). Reported per budget:
 TTFT of the long prompts (mean, p99), ITL of the decodes (median, p99), steps. About a minute::
 
-    OMP_NUM_THREADS=1 python benchmarks/chunked_prefill.py [--budgets 32 64 128 256] [--rate 20]
+    OMP_NUM_THREADS=1 python benchmarks/chunked_prefill.py [--budgets 32 64 128 256] [--rate 200]
         [--json benchmarks/saved/chunked_prefill.json]   (the saved run Chapter 9 plots)
 """
 
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128, 256])
-    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--decodes", type=int, default=24)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--long", type=int, default=8)
