@@ -190,8 +190,9 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
 
         return await asyncio.gather(*(last(i) for i in range(len(prompt_ids))))
 
-    async def stream(prompt_ids, params, stops, base_id, chunk) -> AsyncIterator[bytes]:
-        """Server-sent events: chunk(index, delta, finish_reason) per new piece of text, then usage, then [DONE]."""
+    async def stream(prompt_ids, params, stops, base_id, chunk, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: chunk(index, delta, finish_reason) per new piece of text, then usage (only when
+        stream_options.include_usage asks for it, OpenAI's rule), then [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
         n = params[0].n
 
@@ -229,7 +230,8 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
                 task.cancel()
         stats = {"prompt_tokens": sum(map(len, prompt_ids)), "completion_tokens": sum(finals.values())}
         stats["total_tokens"] = stats["prompt_tokens"] + stats["completion_tokens"]
-        yield f"data: {json.dumps(chunk(None, None, None, usage=stats))}\n\n".encode()
+        if include_usage:
+            yield f"data: {json.dumps(chunk(None, None, None, usage=stats))}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -249,7 +251,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
                             "choices": [], "usage": usage}
                 return {"id": base_id, "object": "text_completion", "created": created, "model": model_name,
                         "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
-            return StreamingResponse(_usage_filter(stream(prompt_ids, params, stops, base_id, chunk), include_usage),
+            return StreamingResponse(stream(prompt_ids, params, stops, base_id, chunk, include_usage),
                                      media_type="text/event-stream")
         finals = await until_disconnected(request, collect(prompt_ids, params, stops, base_id))
         n = params[0].n
@@ -279,7 +281,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
                     message = {"role": "assistant", "content": delta}
                 return {**base, "choices": [{"index": index, "delta": message, "logprobs": None,
                                              "finish_reason": reason}]}
-            return StreamingResponse(_usage_filter(stream(prompt_ids, params, stops, base_id, chunk), include_usage),
+            return StreamingResponse(stream(prompt_ids, params, stops, base_id, chunk, include_usage),
                                      media_type="text/event-stream")
         finals = await until_disconnected(request, collect(prompt_ids, params, stops, base_id))
         choices = [{"index": j, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -289,10 +291,3 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
 
     return app
 
-
-async def _usage_filter(events: AsyncIterator[bytes], include_usage: bool) -> AsyncIterator[bytes]:
-    """Drop the usage chunk unless stream_options.include_usage asked for it (OpenAI's rule)."""
-    async for event in events:
-        if not include_usage and event.startswith(b'data: {') and b'"choices": [], "usage"' in event:
-            continue
-        yield event
