@@ -80,3 +80,16 @@ def pytest_collection_modifyitems(config, items):
         if group.endswith("test_grading.py") and "name" in params:
             group = f"grading-{params['name']}"
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """On a pytest-xdist worker with --dist loadgroup, every grouped test's id must carry its group (test@group):
+    xdist schedules by that suffix, and without it a chapter is graded once on each worker, doubling the run."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]}): this pytest keeps "
+                                f"node ids xdist cannot suffix; install the versions in requirements/constraints.txt")
