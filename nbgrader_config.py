@@ -14,10 +14,10 @@ with KVLAB_CELL_TIMEOUT=120 or `--Execute.timeout=120` on the command line.
 
 import os
 
+from nbformat.v4 import new_output
 from nbgrader.converters import Autograde
 from nbgrader.preprocessors import LimitOutput
 from nbgrader.utils import is_grade
-from nbformat.v4 import new_output
 from traitlets import Integer
 
 c = get_config()  # noqa: F821 (traitlets provides get_config when it loads this file)

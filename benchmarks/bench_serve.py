@@ -72,7 +72,8 @@ def build_requests(num_prompts: int, max_context: int, tokenizer_name: str | Non
     """(prompt text, prompt tokens, output tokens) per request, from the shipped trace and text."""
     from transformers import AutoTokenizer
 
-    from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
+    from kvlab.analysis.traces import load_trace
+    from kvlab.benchmarks.datasets import prompts_from_text, scale_to_context
     from kvlab.paths import ASSETS_DIR, DEFAULT_MODEL_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or str(DEFAULT_MODEL_DIR))

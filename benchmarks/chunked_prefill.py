@@ -7,7 +7,7 @@ its first token (TTFT); a budget as large as the whole prompt prefills it in one
 decode sharing that step. Workload: --decodes short prompts generating --decode-tokens tokens each,
 and among them --long long prompts (--long-len tokens from the shipped text) asking for 8 tokens, all
 arriving as one Poisson process at --rate per second; greedy; the same engine and KV memory for every
-budget; the virtual clock of kvlab.baselines.online_replay (each step's measured CPU time). Reported per budget:
+budget; the virtual clock of kvlab.benchmarks.replay (each step's measured CPU time). Reported per budget:
 TTFT of the long prompts (mean, p99), ITL of the decodes (median, p99), steps. About a minute::
 
     OMP_NUM_THREADS=1 python benchmarks/chunked_prefill.py [--budgets 32 64 128 256] [--rate 200]
@@ -51,7 +51,8 @@ def main(argv=None) -> dict:
     from tqdm.std import tqdm
 
     from kvlab import load_model
-    from kvlab.baselines.online_replay import percentile, replay
+    from kvlab.benchmarks.latency import percentile
+    from kvlab.benchmarks.replay import replay
     from kvlab.engine.llm_engine import LLMEngine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -16,7 +16,7 @@ the allocation policy:
 
 Requests: the first --requests of the shipped chat trace (ShareGPT-like lengths) scaled to the 256-token
 context, greedy, each to its output length. Arrivals and latencies on a virtual clock made of measured
-step times (kvlab.baselines.online_replay; each step's CPU time, so other work on the machine does not
+step times (kvlab.benchmarks.replay; each step's CPU time, so other work on the machine does not
 inflate it), so a sweep takes minutes. Reported: normalized latency per
 system and rate, the highest rate each sustains under --bound x paging's unloaded normalized latency,
 and paged / Orca ratios of those rates (the paper: 1.7-2.7x over Orca Oracle, 2.7-8x over Orca Max on
@@ -43,17 +43,14 @@ BLOCK_SIZE, CONTEXT = 16, 256
 
 
 def workload(tokenizer, count: int):
-    from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
-    from kvlab.paths import ASSETS_DIR
+    from kvlab.benchmarks.datasets import chat_workload
 
-    fitted = scale_to_context(load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count], CONTEXT)
-    text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text(encoding="utf-8")
-    return prompts_from_text(fitted, text, lambda s: tokenizer(s)["input_ids"]), [r.output_len for r in fitted]
+    return chat_workload(count, tokenizer, CONTEXT)
 
 
 def run_system(system: str, model, tokenizer, prompts, lens, rate: float, num_blocks: int, seed: int):
-    from kvlab.baselines.online_replay import replay, replay_static
     from kvlab.baselines.static_batching import StaticBatchingEngine
+    from kvlab.benchmarks.replay import replay, replay_static
     from kvlab.engine.llm_engine import LLMEngine
 
     if system == "static":
@@ -70,8 +67,7 @@ def main(argv=None) -> dict:
     from tqdm.std import tqdm
 
     from kvlab import load_model
-    from kvlab.analysis.latency import knee_rate
-    from kvlab.baselines.online_replay import normalized_latency
+    from kvlab.benchmarks.latency import knee_rate, normalized_latency
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)

@@ -246,21 +246,21 @@ def time_mixed(decodes, context, prefill, block_size, num_kv_heads, args, dtype,
     """One mixed step through the unified kernel against SDPA on the same tokens (decodes, then a causal prefill)."""
     import torch
 
-    from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
+    from kvlab.kernels import launch_unified_attention, validate_paged_attention_inputs
 
     unified_inputs, (q_dec, k_dec, v_dec, q_pre, k_pre, v_pre) = mixed_step(
         decodes, context, prefill, block_size, args.num_heads, num_kv_heads, args.head_dim, dtype, device)
     shape = validate_paged_attention_inputs(*unified_inputs)
     out = torch.empty_like(unified_inputs[0])
-    unified_ms = bench(lambda: launch_paged_attention(shape, *unified_inputs, out))
+    unified_ms = bench(lambda: launch_unified_attention(shape, *unified_inputs, out))
 
     def torch_step():
-        dec, backend = sdpa(q_dec, k_dec, v_dec, shape["scale"])
-        pre, _ = sdpa(q_pre, k_pre, v_pre, shape["scale"], causal=True)
+        dec, backend = sdpa(q_dec, k_dec, v_dec, shape.scale)
+        pre, _ = sdpa(q_pre, k_pre, v_pre, shape.scale, causal=True)
         return dec, pre, backend
 
     sdpa_ms = bench(torch_step)
-    launch_paged_attention(shape, *unified_inputs, out)
+    launch_unified_attention(shape, *unified_inputs, out)
     dec, pre, backend = torch_step()
     reference = torch.cat([dec[:, :, 0], pre[0].transpose(0, 1)]).float()
     return {"dtype": str(dtype).removeprefix("torch."), "gqa": args.num_heads // num_kv_heads, "decodes": decodes,
@@ -273,7 +273,7 @@ def autotune(batch, context, block_size, num_kv_heads, args, dtype, device, benc
     """The unified decode over tile x num_warps x num_stages on one shape; rows sorted fastest first."""
     import torch
 
-    from kvlab.kernels import launch_paged_attention, validate_paged_attention_inputs
+    from kvlab.kernels import launch_unified_attention, validate_paged_attention_inputs
 
     q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, context, block_size, args.num_heads, num_kv_heads,
                                                           args.head_dim, dtype, device)
@@ -285,7 +285,7 @@ def autotune(batch, context, block_size, num_kv_heads, args, dtype, device, benc
         for num_warps in AUTOTUNE["num_warps"]:
             for num_stages in AUTOTUNE["num_stages"]:
                 def run(tile=tile, num_warps=num_warps, num_stages=num_stages):
-                    return launch_paged_attention(shape, q, k_cache, v_cache, tables, lens, starts, out, tile=tile,
+                    return launch_unified_attention(shape, q, k_cache, v_cache, tables, lens, starts, out, tile=tile,
                                                   num_warps=num_warps, num_stages=num_stages)
                 try:
                     us = bench(run) * 1e3

@@ -58,13 +58,9 @@ def peak_rss_mib() -> float:
 
 
 def workload(count: int, tokenizer):
-    from kvlab.analysis.traces import load_trace, prompts_from_text, scale_to_context
-    from kvlab.paths import ASSETS_DIR
+    from kvlab.benchmarks.datasets import chat_workload
 
-    fitted = scale_to_context(load_trace(ASSETS_DIR / "traces" / "chat.csv")[:count], MAX_TOKENS)
-    text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text()
-    prompts = prompts_from_text(fitted, text, lambda s: tokenizer(s)["input_ids"])
-    return prompts, [r.output_len for r in fitted]
+    return chat_workload(count, tokenizer, MAX_TOKENS)
 
 
 def memory_bounded_batches(prompts, lengths, batch: int, kv_tokens: int) -> list[range]:

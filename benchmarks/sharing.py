@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 from tqdm import tqdm  # noqa: E402
 
 from kvlab import load_model  # noqa: E402
-from kvlab.analysis.traces import fit_to_context, load_trace, prompts_from_text  # noqa: E402
+from kvlab.analysis.traces import load_trace  # noqa: E402
+from kvlab.benchmarks.datasets import fit_to_context, prompts_from_text  # noqa: E402
 from kvlab.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvlab.decoding.beam_search import beam_search  # noqa: E402
 from kvlab.decoding.parallel_sampling import sample_n  # noqa: E402

@@ -82,14 +82,14 @@ def run_kvlab(model, tokenizer, prompts, params, batch: int, spec: dict | None) 
               max_num_batched_tokens=1024, speculative_config=spec)
     llm.generate(prompts[:1], params[:1])  # warm-up: first-call costs are not the method's
     engine = llm.llm_engine
-    passes_before = engine.runner.num_forward_passes
+    passes_before = engine.model_runner.num_forward_passes
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = engine.spec_stats
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "target_passes_per_token": (engine.runner.num_forward_passes - passes_before) / tokens,
+            "target_passes_per_token": (engine.model_runner.num_forward_passes - passes_before) / tokens,
             "mean_acceptance_length": stats.mean_acceptance_length if stats else 1.0,
             "acceptance_rate": stats.acceptance_rate if stats else 0.0,
             "outputs": [o.outputs[0].token_ids for o in outputs]}
@@ -116,10 +116,10 @@ def pass_costs(model, query_lens=(1, 2, 3, 4, 5, 7), context: int = 200, repeats
     """Seconds of one target pass carrying q new tokens (one sequence, `context` cached): what verifying costs."""
     import torch
 
-    from kvlab.cache.batched_attention import BatchedPagedKVCache
+    from kvlab.cache.paged_cache import PagedKVCache
     from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 
-    cache = BatchedPagedKVCache.for_model(model, num_blocks=16, block_size=BLOCK_SIZE)
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=BLOCK_SIZE, attention_backend="auto")
     table = list(range(16))
     costs = {}
     with torch.inference_mode():

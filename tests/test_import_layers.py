@@ -28,16 +28,18 @@ ALLOWED_KVLAB = {
     "kvlab.engine": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
                      "kvlab.analysis", "kvlab.decoding", "kvlab.spec_decode", "kvlab.paths", "kvlab.validation"},
     # Proposers run a draft model on its own paged cache; the engine hands them its sampler.
-    "kvlab.spec_decode": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.validation"},
+    "kvlab.spec_decode": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.paths", "kvlab.validation"},
     "kvlab.decoding": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
                        "kvlab.analysis", "kvlab.validation"},
     "kvlab.baselines": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
                         "kvlab.analysis", "kvlab.validation"},
+    # Measurement (vLLM's vllm/benchmarks): it drives engines and caches; nothing but scripts and notebooks import it.
+    "kvlab.benchmarks": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
+                         "kvlab.baselines", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # Widgets draw plain data: the block views' helpers are all they may read of the package.
     "kvlab.widgets": {"kvlab.core.block_views"},
-    "kvlab.checks": set(),
-    # Chapter 7's checks launch a learner's kernel; they load kvlab.checks afresh by name.
-    "kvlab.kernel_checks": {"kvlab.kernels"},
+    # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
+    "kvlab.course": {"kvlab.kernels"},
     # The HTTP server sits on the engine; nothing below imports it.
     "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.validation"},
     "kvlab.serve": {"kvlab.entrypoints"},

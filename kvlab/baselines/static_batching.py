@@ -10,14 +10,17 @@ in one batch), that the continuous engine runs, so the comparison measures sched
 
 import torch
 
-from kvlab.cache.batched_attention import BatchedPagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
 from kvlab.core.paging import num_blocks_needed
-from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.input_processor import InputProcessor
+from kvlab.engine.output_processor import OutputProcessor
+from kvlab.engine.outputs import EngineCoreOutput
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.stats import EngineStats
+from kvlab.model.config import context_length, eos_token_ids
 from kvlab.validation import check_positive_int
 
 
@@ -28,8 +31,11 @@ class StaticBatchingEngine:
         check_positive_int("batch_size", batch_size)
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.block_size = batch_size, block_size
-        # An engine only for its request checks, token handling and cache; its scheduler is never used.
-        self._engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=1, max_num_seqs=batch_size)
+        self.max_model_len = context_length(model)
+        # The engine's own input and output processing; each batch then reserves its own padded cache.
+        self.input_processor = InputProcessor(tokenizer, model.config.vocab_size, self.max_model_len, block_size,
+                                              num_blocks=num_blocks_needed(self.max_model_len, block_size))
+        self.eos_token_ids = frozenset(eos_token_ids(model))
         self.generator = torch.Generator().manual_seed(seed)
         self.num_tokens_computed = 0  # token positions run through the model, wasted ones included
         self.num_tokens_wasted = 0    # decode positions of members that had already finished
@@ -45,25 +51,22 @@ class StaticBatchingEngine:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if any(p.n != 1 for p in params):
             raise ValueError("the static-batching baseline serves n = 1 only")
-        engine = self._engine
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            text, ids = engine._token_ids(prompt)
+            text, ids = self.input_processor.tokenize(prompt)
             if not ids:
                 raise ValueError(f"prompt {i} is empty: give at least one token")
-            if len(ids) + p.max_tokens > engine.max_model_len:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens plus max_tokens {p.max_tokens} "
-                                 f"exceed max_model_len {engine.max_model_len}")
-            requests.append(Request(str(i), ids, p, i, engine.eos_token_id, text))
+            self.input_processor.check_context(len(ids), p.max_tokens)
+            requests.append(Request(str(i), ids, p, i, self.eos_token_ids, text, self.max_model_len))
+        generators = {r.request_id: None if r.params.seed is None else torch.Generator().manual_seed(r.params.seed)
+                      for r in requests}
         for start in range(0, len(requests), self.batch_size):
-            self._run_batch(requests[start:start + self.batch_size])
-        outputs = []
+            self._run_batch(requests[start:start + self.batch_size], generators)
+        outputs = OutputProcessor(self.tokenizer)
         for r in requests:
-            engine.requests[r.request_id] = r
-            engine.parents[r.request_id] = [r.request_id]
-            outputs.append(engine.output(r.request_id))
-            del engine.requests[r.request_id], engine.parents[r.request_id]
-        return outputs
+            outputs.add_request(r.request_id, r.prompt, r.prompt_token_ids, r.params, [r.request_id])
+        outputs.process_outputs([EngineCoreOutput(r.request_id, r.output_token_ids, r.status) for r in requests])
+        return [outputs.output(r.request_id) for r in requests]
 
     def stats(self) -> EngineStats:
         """The run's counters so far, under the continuous engine's names (it never preempts: a batch holds its
@@ -72,13 +75,13 @@ class StaticBatchingEngine:
                            num_tokens_computed=self.num_tokens_computed, num_tokens_wasted=self.num_tokens_wasted,
                            num_preemptions=0, peak_used_blocks=self.peak_used_blocks)
 
-    def _run_batch(self, batch: list[Request]) -> None:
-        engine, size = self._engine, self.block_size
+    def _run_batch(self, batch: list[Request], generators: dict) -> None:
+        size = self.block_size
         # The padded cache of a batch: every member gets room for the longest prompt plus the most new tokens.
         reserved = max(len(r.prompt_token_ids) for r in batch) + max(r.params.max_tokens for r in batch)
-        limit = min(reserved, engine.max_model_len)
+        limit = min(reserved, self.max_model_len)
         per_member = num_blocks_needed(reserved, size)
-        cache = BatchedPagedKVCache.for_model(self.model, per_member * len(batch), size)
+        cache = PagedKVCache.for_model(self.model, per_member * len(batch), size, attention_backend="auto")
         self.peak_used_blocks = max(self.peak_used_blocks, per_member * len(batch))
         tables = [list(range(i * per_member, (i + 1) * per_member)) for i in range(len(batch))]
         members = list(range(len(batch)))           # who computes in the next pass
@@ -92,13 +95,13 @@ class StaticBatchingEngine:
             self.num_forward_passes += 1
             self.num_tokens_computed += sum(layout.query_lens)
             tokens = sample(last_token_logits(logits, layout.query_lens), [batch[i].params for i in members],
-                            [batch[i].generator or self.generator for i in members])
+                            [generators[batch[i].request_id] or self.generator for i in members])
             for i, t in zip(members, tokens):
                 r = batch[i]
                 if r.status.finished:
                     self.num_tokens_wasted += 1
                 else:
-                    r.append_output(t, engine.max_model_len)
+                    r.append_output(t)
                 feed[i] = [t]
             if all(r.status.finished for r in batch):
                 break

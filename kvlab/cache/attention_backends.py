@@ -1,4 +1,4 @@
-"""How a paged cache's queries attend over its storage: the decode backends, any of which reads any storage format.
+"""How a paged cache's queries attend over its storage: the attention backends, any of which reads any storage format.
 
     "reference"   Chapter 3: each sequence of the pass gathers its blocks through its block table
                   and runs causal attention on its own
@@ -10,109 +10,156 @@
                   (8-bit pools with their k_scale / v_scale): no gather at all
     "auto"        "triton" on a CUDA device with Triton installed, "torch" elsewhere
 
-A backend reads K/V only through the storage (kvlab.cache.kv_storage): real numbers for the torch
-paths, the raw pools and scales for the kernel. `plan` is built once per forward pass, from its
-BatchLayout, and reused by every layer.
+Every backend has vLLM's two parts: build_metadata, once per forward pass, turns the pass's BatchLayout
+into what this backend's computation reads (its own typed metadata: slot indices and masks for torch,
+int32 tables and offsets for the kernel), and forward, once per layer, attends with it. A backend reads
+K/V only through the storage (kvlab.cache.kv_storage): real numbers for the torch paths, the raw pools
+and scales for the kernel.
+
+vLLM V1 has the same split (vllm/v1/attention/backends/: a builder per backend makes the metadata, the
+backend's forward reads it); its default on NVIDIA GPUs is FlashAttention, and the Triton unified kernel
+is its portable backend.
 """
 
 import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.cache.attention import causal_attention
 
-DECODE_BACKENDS = ("auto", "reference", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
 
 def attend_sequence(storage, layer_idx: int, q: torch.Tensor, block_table: list[int], seq_len: int, scaling: float):
-    """One sequence's new queries q [H, T_new, D] over its seq_len tokens in storage -> [T_new, H, D]."""
+    """One sequence's new queries q [H, T_new, D] over its seq_len tokens in storage -> [T_new, H, D].
+
+    The one torch reference for a sequence's paged attention: every torch path computes prefill chunks with it.
+    """
     k, v = storage.gather(layer_idx, block_table, seq_len, q.dtype)
     return causal_attention(q, k, v, scaling)
 
 
-class ReferenceBackend:
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every backend knows of a pass: per sequence its new tokens, its length after them and its blocks."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+
+class AttentionBackend(ABC):
+    """One way to attend: build_metadata once per pass, forward once per layer."""
+
+    name = ""
+
+    @abstractmethod
+    def build_metadata(self, batch, block_size: int, device) -> AttentionMetadata:
+        """This backend's metadata for one forward pass (batch: kvlab.cache.ragged_batch.BatchLayout)."""
+
+    @abstractmethod
+    def forward(self, storage, layer_idx: int, query: torch.Tensor, metadata: AttentionMetadata,
+                scaling: float) -> torch.Tensor:
+        """Every sequence's new queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
+
+
+class ReferenceBackend(AttentionBackend):
     """Chapter 3's path: one gather and one causal attention per sequence of the pass."""
 
     name = "reference"
 
-    def plan(self, batch, block_size: int, device):
-        return None
+    def build_metadata(self, batch, block_size, device) -> AttentionMetadata:
+        return AttentionMetadata(batch.query_lens, batch.context_lens, batch.block_tables)
 
-    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
-        """Every sequence's queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
+    def forward(self, storage, layer_idx, query, metadata, scaling) -> torch.Tensor:
         outs, start = [], 0
-        for q_len, seq_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+        for q_len, seq_len, table in zip(metadata.query_lens, metadata.context_lens, metadata.block_tables):
             outs.append(attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table, seq_len, scaling))
             start += q_len
         return torch.cat(outs, dim=0)
 
 
-class _BatchedDecodeBackend:
-    """Decodes (one new query) attended together by `decode`; prefill chunks one by one, as the reference does."""
+@dataclass(slots=True)
+class TorchMetadata(AttentionMetadata):
+    """The batched decode's inputs: which rows decode, and each decode's slots padded to the longest."""
 
-    name = ""
-
-    def plan(self, batch, block_size: int, device):
-        """Which sequences decode and their query rows, plus what `decode` needs; None when none decodes."""
-        rows, seqs, start = [], [], 0
-        for i, q_len in enumerate(batch.query_lens):
-            if q_len == 1:
-                rows.append(start)
-                seqs.append(i)
-            start += q_len
-        if not seqs:
-            return None
-        return {"rows": torch.tensor(rows, device=device), "seqs": seqs,
-                **self._decode_plan(batch, seqs, block_size, device)}
-
-    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
-        """Every sequence's queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
-        q_all = query[0].transpose(0, 1)  # [T, H, D]
-        out = torch.empty_like(q_all)
-        decoding = set(plan["seqs"]) if plan else set()
-        start = 0
-        for i, (q_len, seq_len, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
-            if i not in decoding:
-                out[start:start + q_len] = attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table,
-                                                           seq_len, scaling)
-            start += q_len
-        if plan:
-            out[plan["rows"]] = self.decode(storage, layer_idx, q_all[plan["rows"]], plan, scaling)
-        return out
-
-    def _decode_plan(self, batch, seqs: list[int], block_size: int, device) -> dict:
-        raise NotImplementedError
-
-    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
-        raise NotImplementedError
+    decode_seqs: list[int] = field(default_factory=list)   # sequences with one new token
+    decode_rows: torch.Tensor | None = None                 # [B] their rows among the pass's T tokens
+    slot_index: torch.Tensor | None = None                  # [B, Lmax] int64: pool slot of each position (0: padding)
+    padding_mask: torch.Tensor | None = None                # [B, Lmax] bool: True past each sequence's end
 
 
-class TorchBatchedBackend(_BatchedDecodeBackend):
+class TorchBackend(AttentionBackend):
     """Chapter 6's batched torch decode: one slot gather for all decodes, then fused attention over them."""
 
     name = "torch"
 
-    def _decode_plan(self, batch, seqs, block_size, device) -> dict:
-        """Each decode's slots, padded to the longest: index [B, Lmax] and its padding mask."""
-        lens = [batch.context_lens[i] for i in seqs]
-        positions = torch.arange(max(lens))
-        index = torch.zeros(len(seqs), len(positions), dtype=torch.long)
-        for r, i in enumerate(seqs):
-            table = torch.tensor(batch.block_tables[i], dtype=torch.long)
-            n = lens[r]
-            index[r, :n] = table[positions[:n] // block_size] * block_size + positions[:n] % block_size
-        mask = positions[None, :] >= torch.tensor(lens)[:, None]  # [B, Lmax]: padding past each sequence's end
-        return {"index": index.to(device), "mask": mask.to(device)}
+    def build_metadata(self, batch, block_size, device) -> TorchMetadata:
+        metadata = TorchMetadata(batch.query_lens, batch.context_lens, batch.block_tables)
+        rows, start = [], 0
+        for i, q_len in enumerate(batch.query_lens):
+            if q_len == 1:
+                rows.append(start)
+                metadata.decode_seqs.append(i)
+            start += q_len
+        if not rows:
+            return metadata
+        lens = torch.tensor([batch.context_lens[i] for i in metadata.decode_seqs])
+        tables = [batch.block_tables[i] for i in metadata.decode_seqs]
+        width = max(map(len, tables))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)   # [B, max blocks]
+        positions = torch.arange(int(lens.max()))
+        mask = positions[None, :] >= lens[:, None]                                             # [B, Lmax]
+        index = padded[:, positions // block_size] * block_size + positions % block_size
+        metadata.decode_rows = torch.tensor(rows, device=device)
+        metadata.slot_index = index.masked_fill(mask, 0).to(device)
+        metadata.padding_mask = mask.to(device)
+        return metadata
 
-    def decode(self, storage, layer_idx, q, plan, scaling) -> torch.Tensor:
+    def forward(self, storage, layer_idx, query, metadata: TorchMetadata, scaling) -> torch.Tensor:
+        q_all = query[0].transpose(0, 1)  # [T, H, D]
+        if len(metadata.decode_seqs) == len(metadata.query_lens):  # decodes only: no prefill to attend
+            return self.decode(storage, layer_idx, q_all, metadata, scaling)
+        out = torch.empty_like(q_all)
+        decoding = set(metadata.decode_seqs)
+        start = 0
+        for i, (q_len, seq_len, table) in enumerate(zip(metadata.query_lens, metadata.context_lens,
+                                                         metadata.block_tables)):
+            if i not in decoding:
+                out[start:start + q_len] = attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table,
+                                                           seq_len, scaling)
+            start += q_len
+        if decoding:
+            out[metadata.decode_rows] = self.decode(storage, layer_idx, q_all[metadata.decode_rows], metadata, scaling)
+        return out
+
+    def decode(self, storage, layer_idx, q, metadata: TorchMetadata, scaling) -> torch.Tensor:
         """q [B, H, D] of the decodes -> [B, H, D]."""
-        index = plan["index"]
+        index = metadata.slot_index
         k, v = storage.gather_slots(layer_idx, index.reshape(-1), q.dtype)  # [B * Lmax, Hkv, D] each
         shape = (*index.shape, *k.shape[1:])
-        return batched_decode_attention(q, k.view(shape), v.view(shape), plan["mask"], scaling)
+        return batched_decode_attention(q, k.view(shape), v.view(shape), metadata.padding_mask, scaling)
 
 
-class TritonBackend:
+@dataclass(slots=True)
+class TritonMetadata(AttentionMetadata):
+    """The unified kernel's inputs, as the kernel reads them, plus what the first layer learns for the others."""
+
+    block_table_tensor: torch.Tensor | None = None  # [num_seqs, max blocks] int32, zero-padded
+    query_start_loc: torch.Tensor | None = None     # [num_seqs + 1] int32
+    seq_lens: torch.Tensor | None = None            # [num_seqs] int32
+    decode_only: bool = False
+    max_seq_len: int = 0
+    # Settled by the first layer (every layer has the same shapes): the validated shape and the split-KV plan.
+    shape: object = None
+    split_kv: bool = False
+    num_splits: int = 1
+    workspace: tuple | None = None
+
+
+class TritonBackend(AttentionBackend):
     """Chapter 7's unified kernel for the whole pass: chunks, prefix hits and decodes read the pools in place.
 
     A decode-only step with few sequences and long contexts goes to split-KV instead, when one program per
@@ -121,57 +168,48 @@ class TritonBackend:
 
     name = "triton"
 
-    def plan(self, batch, block_size: int, device):
-        """Every sequence's block table (int32, zero-padded), length and query offsets, as the kernel reads them."""
-        tables = torch.zeros(len(batch.block_tables), max(1, max(map(len, batch.block_tables), default=1)),
-                             dtype=torch.int32)
-        for i, table in enumerate(batch.block_tables):
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    def build_metadata(self, batch, block_size, device) -> TritonMetadata:
+        width = max(1, max(map(len, batch.block_tables), default=1))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.int32)
         starts = torch.zeros(len(batch.query_lens) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(batch.query_lens, dtype=torch.int32).cumsum(0)
-        return {"block_tables": tables.to(device), "query_start_loc": starts.to(device),
-                "seq_lens": torch.tensor(batch.context_lens, dtype=torch.int32, device=device), "shape": None,
-                "decode_only": all(n == 1 for n in batch.query_lens), "max_seq_len": max(batch.context_lens,
-                                                                                          default=0)}
+        return TritonMetadata(batch.query_lens, batch.context_lens, batch.block_tables,
+                              block_table_tensor=tables.to(device), query_start_loc=starts.to(device),
+                              seq_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+                              decode_only=all(n == 1 for n in batch.query_lens),
+                              max_seq_len=max(batch.context_lens, default=0))
 
-    def attend(self, storage, layer_idx, query, batch, plan, scaling) -> torch.Tensor:
-        """Every sequence's queries (query [1, H, T, D]) over its blocks, in one launch -> [T, H, D]."""
+    def forward(self, storage, layer_idx, query, metadata: TritonMetadata, scaling) -> torch.Tensor:
         # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.
         from kvlab import kernels
 
         q = query[0].transpose(0, 1)  # [T, H, D], head_dim still contiguous
         k_pool, v_pool, k_scale, v_scale = storage.kernel_inputs(layer_idx)
-        tables, seq_lens, starts = plan["block_tables"], plan["seq_lens"], plan["query_start_loc"]
+        tables, seq_lens, starts = metadata.block_table_tensor, metadata.seq_lens, metadata.query_start_loc
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if plan["shape"] is None:  # once per step: every layer has the same shapes, so later layers skip the checks
-            plan["num_splits"] = self._num_splits(plan, q.shape[0], k_pool.shape[2], q.device)
-            plan["split_kv"] = plan["num_splits"] > 1
-            if plan["split_kv"]:
-                shape = kernels.validate_paged_decode_inputs(q, k_pool, v_pool, tables, seq_lens, scaling, k_scale,
-                                                             v_scale)
-                _, plan["num_splits"] = kernels.split_plan(shape.max_seq_len, plan["num_splits"])
+        if metadata.shape is None:  # the first layer: later layers have the same shapes and skip the checks
+            num_splits = 1
+            if metadata.decode_only:
+                num_splits = kernels.choose_num_splits(q.shape[0], k_pool.shape[2], metadata.max_seq_len,
+                                                       kernels.num_sms(q.device))
+            metadata.split_kv = num_splits > 1
+            if metadata.split_kv:
+                metadata.shape = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, None,
+                                                                         scaling, k_scale, v_scale)
+                _, metadata.num_splits = kernels.split_plan(metadata.shape.max_seq_len, num_splits)
                 # Scratch shared by the step's layers.
-                plan["workspace"] = kernels.allocate_split_workspace(shape.num_seqs, shape.num_heads,
-                                                                     plan["num_splits"], shape.head_dim, q.device)
-                plan["shape"] = shape
+                metadata.workspace = kernels.allocate_split_workspace(
+                    metadata.shape.num_seqs, metadata.shape.num_heads, metadata.num_splits, metadata.shape.head_dim,
+                    q.device)
             else:
-                plan["shape"] = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
-                                                                        scaling, k_scale, v_scale)
-        if plan["split_kv"]:
-            return kernels.launch_paged_decode_split_kv(plan["shape"], q, k_pool, v_pool, tables, seq_lens, out,
-                                                        plan["num_splits"], workspace=plan["workspace"],
+                metadata.shape = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
+                                                                         scaling, k_scale, v_scale)
+        if metadata.split_kv:
+            return kernels.launch_paged_decode_split_kv(metadata.shape, q, k_pool, v_pool, tables, seq_lens, out,
+                                                        metadata.num_splits, workspace=metadata.workspace,
                                                         k_scale=k_scale, v_scale=v_scale)
-        return kernels.launch_paged_attention(plan["shape"], q, k_pool, v_pool, tables, seq_lens, starts, out,
-                                              k_scale=k_scale, v_scale=v_scale)
-
-    @staticmethod
-    def _num_splits(plan, num_seqs: int, num_kv_heads: int, device) -> int:
-        """Split-KV ranges for this step: 1 unless it is decode-only and the one-pass grid is too small."""
-        from kvlab.kernels import choose_num_splits, num_sms
-
-        if not plan["decode_only"]:
-            return 1
-        return choose_num_splits(num_seqs, num_kv_heads, plan["max_seq_len"], num_sms(device))
+        return kernels.launch_unified_attention(metadata.shape, q, k_pool, v_pool, tables, seq_lens, starts, out,
+                                                k_scale=k_scale, v_scale=v_scale)
 
 
 def batched_decode_attention(q, k, v, mask, scaling):
@@ -197,14 +235,19 @@ def _triton_available() -> bool:
     return True
 
 
-def get_attn_backend(decode_backend: str, device) -> ReferenceBackend | _BatchedDecodeBackend | TritonBackend:
-    """The backend named decode_backend for pools on `device` ("auto": the kernel on CUDA, batched torch elsewhere)."""
-    if decode_backend not in DECODE_BACKENDS:
-        raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}, got {decode_backend!r}")
+BACKEND_CLASSES = {"reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend}
+
+
+def get_attn_backend(attention_backend: str, device) -> AttentionBackend:
+    """The backend named attention_backend for pools on `device` ("auto": the kernel on CUDA, batched torch
+    elsewhere)."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                         f"got {attention_backend!r}")
     device = torch.device(device)
-    if decode_backend == "auto":
-        decode_backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if decode_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("decode_backend='triton' runs on a CUDA device, or on CPU in Triton's interpreter "
+    if attention_backend == "auto":
+        attention_backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' runs on a CUDA device, or on CPU in Triton's interpreter "
                          f"(TRITON_INTERPRET=1 before kvlab.kernels is imported); the pools are on {device.type}")
-    return {"reference": ReferenceBackend, "torch": TorchBatchedBackend, "triton": TritonBackend}[decode_backend]()
+    return BACKEND_CLASSES[attention_backend]()

@@ -120,7 +120,7 @@ class KVStorage:
         """Bytes of every pool (and every scale)."""
         return sum(t.numel() * t.element_size() for t in self.block_tensors())
 
-    def _check_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    def check_slots(self, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         if slot_mapping.shape != (num_tokens,):
             raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected ({num_tokens},), "
                              f"one slot per token")
@@ -137,7 +137,7 @@ class KVStorage:
         """
         if not checked:
             slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long, device=k.device)
-            self._check_slots(slot_mapping, k.shape[0])
+            self.check_slots(slot_mapping, k.shape[0])
             self._store(layer_idx, k, v, slot_mapping)
             return
         if slot_mapping.shape != (k.shape[0],):

@@ -11,43 +11,60 @@ A PagedKVCache is composed of two parts, so that any pair works:
                   fp8 e4m3 with a scale per (block, KV head), as vLLM's kv_cache_dtype
     attn_backend  how the queries read them (kvlab.cache.attention_backends): Chapter 3's
                   per-sequence reference, Chapter 6's batched torch decode, or Chapter 7's Triton kernel
+
+    PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim)              # Chapter 3
+    PagedKVCache.for_model(model, num_blocks, block_size, attention_backend="auto")       # the engine's
+    PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype="int8")          # Chapter 10's 8 bits
 """
+
+import warnings
 
 import torch
 
 from kvlab.analysis.kv_size import kv_shape
 from kvlab.cache.attention import causal_attention
 from kvlab.cache.attention_backends import get_attn_backend
-from kvlab.cache.kv_storage import gather_kv, make_kv_storage
+from kvlab.cache.kv_storage import gather_dequantized, gather_kv, make_kv_storage
 from kvlab.cache.ragged_batch import BatchLayout
 
 __all__ = ["PagedKVCache", "copy_blocks", "gather_kv", "paged_attention"]
 
 
-def paged_attention(q, k_pool, v_pool, block_table, seq_len, scaling):
+def paged_attention(q, k_pool, v_pool, block_table, seq_len, scaling, k_scales=None, v_scales=None):
     """Reference paged attention: gather the sequence through its block table, then causal attention.
 
     q: [H, T_new, D] for the last T_new positions of a sequence of seq_len tokens. Returns [T_new, H, D].
+    8-bit pools (int8, fp8) come with their scales [num_blocks, Hkv] and are dequantised after the gather.
     """
-    k, v = gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len)
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("give both k_scales and v_scales (8-bit pools) or neither")
+    if k_scales is None:
+        k, v = gather_kv(k_pool, block_table, seq_len), gather_kv(v_pool, block_table, seq_len)
+    else:
+        k = gather_dequantized(k_pool, k_scales, block_table, seq_len, q.dtype)
+        v = gather_dequantized(v_pool, v_scales, block_table, seq_len, q.dtype)
     return causal_attention(q, k, v, scaling)
 
 
 class PagedKVCache:
     """K and V pools for every layer, each [num_blocks, block_size, num_kv_heads, head_dim], in any storage format.
 
-    kv_cache_dtype: "auto" (the model's dtype), "int8", "fp8" / "fp8_e4m3"; decode_backend: "reference"
+    kv_cache_dtype: "auto" (the model's dtype), "int8", "fp8" / "fp8_e4m3"; attention_backend: "reference"
     (Chapter 3, the default), "torch", "triton" or "auto" (kvlab.cache.attention_backends).
     """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
-                 kv_cache_dtype: str = "auto", decode_backend: str = "reference"):
-        self.attn_backend = get_attn_backend(decode_backend, device)  # checked before any pool is allocated
+                 kv_cache_dtype: str = "auto", attention_backend: str = "reference", decode_backend: str | None = None):
+        if decode_backend is not None:
+            warnings.warn("decode_backend is now called attention_backend: the backend runs prefills too",
+                          DeprecationWarning, stacklevel=2)
+            attention_backend = decode_backend
+        self.attn_backend = get_attn_backend(attention_backend, device)  # checked before any pool is allocated
         self.storage = make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                                        dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.batch: BatchLayout | None = None
-        self._plan = None
+        self._metadata = None
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, **kwargs):
@@ -88,7 +105,7 @@ class PagedKVCache:
         return self.storage.dtype
 
     @property
-    def decode_backend(self) -> str:
+    def attention_backend(self) -> str:
         """The backend's name: 'reference', 'torch' or 'triton' ('auto' resolved)."""
         return self.attn_backend.name
 
@@ -132,11 +149,11 @@ class PagedKVCache:
         # The slots are checked here, once per pass and on the host, then moved to the pools' device once:
         # the layers write with them without reading anything back from the device.
         slots = torch.as_tensor(batch.slot_mapping, dtype=torch.long).cpu()
-        self.storage._check_slots(slots, len(slots))
+        self.storage.check_slots(slots, len(slots))
         self.storage.prepare_pass(slots)
         self._slots = slots.to(self.storage.device, non_blocking=True)
         self.batch = batch
-        self._plan = None  # built on the first layer's attend, reused by every other layer
+        self._metadata = self.attn_backend.build_metadata(batch, self.block_size, self.storage.device)
 
     def attend(self, layer_idx, query, key, value, scaling):
         """The runner hook: write this pass's K/V by slot, then each sequence attends over its blocks ([1, T, H, D])."""
@@ -144,9 +161,7 @@ class PagedKVCache:
         if batch is None:
             raise RuntimeError(f"call set_batch(...) before running the model on a {type(self).__name__}")
         self.storage.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), self._slots, checked=True)
-        if self._plan is None:
-            self._plan = self.attn_backend.plan(batch, self.block_size, self.storage.device) or {}
-        return self.attn_backend.attend(self.storage, layer_idx, query, batch, self._plan, scaling)[None]
+        return self.attn_backend.forward(self.storage, layer_idx, query, self._metadata, scaling)[None]
 
     def finish_pass(self) -> None:
         """After the model ran on set_batch's tokens: raise what the writes found wrong (8-bit pools: NaN or inf)."""

@@ -83,11 +83,14 @@ def build_batch(chunks: list[SequenceChunk], block_size: int, device=None) -> Ra
     return RaggedBatch(input_ids, positions, layout)
 
 
-def forward_batch(model, cache, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, BatchLayout]:
-    """One ragged forward pass of the model on `cache`; logits [T, vocab] of every new token, and the layout used."""
+def forward_batch(model, cache, chunks: list[SequenceChunk], logits_indices=None) -> tuple[torch.Tensor, BatchLayout]:
+    """One ragged forward pass of the model on `cache`; logits [T, vocab] of every new token, and the layout used.
+
+    logits_indices: only these rows of the T (vLLM's name), [len(logits_indices), vocab].
+    """
     batch = build_batch(chunks, cache.block_size)
     cache.set_batch(batch.layout)
-    logits = forward(model, batch.input_ids, batch.positions, cache)
+    logits = forward(model, batch.input_ids, batch.positions, cache, logits_indices)
     cache.finish_pass()
     return logits, batch.layout
 

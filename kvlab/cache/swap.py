@@ -9,13 +9,17 @@ block_tensors): the K and V pools in their own dtype, and an 8-bit cache's scale
 int8 or fp8 values mean nothing without the scale of their (block, head). A speculative engine's
 draft model keeps its K/V under the same block ids in pools of its own: those are extra_caches,
 swapped with the target's blocks in the same calls.
+
+This is the worker's half of swapping, as in vLLM V0 (its CacheEngine.swap_in / swap_out): the tensors
+and the copies. Which CPU blocks are free, and which request's K/V sit where, is the scheduler's
+bookkeeping (kvlab.engine.scheduler, a BlockPool of CPU block ids); it hands the runner the copies to
+make, as (source block, destination block) pairs, in its output for the step.
 """
 
 import math
 
 import torch
 
-from kvlab.core.block_pool import BlockPool
 from kvlab.validation import check_int, is_integer
 
 
@@ -32,16 +36,8 @@ class SwapSpace:
         self.blocks = [torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                        for t in device_tensors]
         self.num_blocks = num_cpu_blocks
-        # Which CPU blocks are free is Chapter 4's BlockPool (without prefix caching), not a second free list:
-        # blocks come from the front of its queue, and freed ones (never hashed) go back to the front.
-        self.block_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False) if num_cpu_blocks else None
         self.blocks_swapped_out = 0
         self.blocks_swapped_in = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        """CPU blocks a swap-out can still take."""
-        return self.block_pool.num_free_blocks if self.block_pool is not None else 0
 
     @property
     def block_bytes(self) -> int:
@@ -51,6 +47,22 @@ class SwapSpace:
     def _device_tensors(self) -> list:
         return [t for c in self.caches for t in c.storage.block_tensors()]
 
+    def _check(self, pairs, what: str) -> tuple[list[int], list[int]]:
+        pairs = [tuple(p) for p in pairs]
+        src = [p[0] for p in pairs]
+        dst = [p[1] for p in pairs]
+        device_ids, cpu_ids = (src, dst) if what == "out" else (dst, src)
+        num_device = self.cache.num_blocks
+        bad = [i for i in device_ids if not is_integer(i) or not 0 <= i < num_device]
+        if bad:
+            raise ValueError(f"swap {what}: device block ids {bad} are outside the pool of {num_device} blocks")
+        bad = [i for i in cpu_ids if not is_integer(i) or not 0 <= i < self.num_blocks]
+        if bad:
+            raise ValueError(f"swap {what}: CPU block ids {bad} are outside the swap space of {self.num_blocks} blocks")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"swap {what}: two copies write the same block: {pairs}")
+        return src, dst
+
     def _copy(self, src_tensors, src_ids, dst_tensors, dst_ids) -> None:
         src = torch.tensor(src_ids, dtype=torch.long, device=src_tensors[0].device)
         dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_tensors[0].device)
@@ -59,30 +71,16 @@ class SwapSpace:
             # in flight when the index_put below reads it, so that one waits for its data.
             d[dst] = s[src].to(d.device, non_blocking=d.device.type != "cpu")
 
-    def swap_out(self, gpu_block_ids: list[int]) -> list[int] | None:
-        """Copy these device blocks to free CPU blocks; returns the CPU block ids, or None when they do not fit."""
-        if len(gpu_block_ids) > self.num_free_blocks:
-            return None
-        cpu_ids = [b.block_id for b in self.block_pool.get_new_blocks(len(gpu_block_ids))] if gpu_block_ids else []
+    def swap_out(self, pairs) -> None:
+        """Copy device blocks to CPU blocks: pairs of (device block id, CPU block id); all checked before any copy."""
+        device_ids, cpu_ids = self._check(pairs, "out")
         if cpu_ids:
-            self._copy(self._device_tensors(), gpu_block_ids, self.blocks, cpu_ids)
+            self._copy(self._device_tensors(), device_ids, self.blocks, cpu_ids)
         self.blocks_swapped_out += len(cpu_ids)
-        return cpu_ids
 
-    def swap_in(self, cpu_block_ids: list[int], gpu_block_ids: list[int]) -> None:
-        """Copy CPU blocks back into device blocks (pairwise)."""
-        if len(cpu_block_ids) != len(gpu_block_ids):
-            raise ValueError(f"{len(cpu_block_ids)} CPU blocks for {len(gpu_block_ids)} device blocks")
-        if cpu_block_ids:
-            self._copy(self.blocks, cpu_block_ids, self._device_tensors(), gpu_block_ids)
-        self.blocks_swapped_in += len(cpu_block_ids)
-
-    def free(self, cpu_block_ids: list[int]) -> None:
-        """Return CPU blocks to the pool; an unknown or already free block is a ValueError and frees nothing."""
-        cpu_block_ids = list(cpu_block_ids)
-        bad = [i for i in cpu_block_ids
-               if not is_integer(i) or not 0 <= i < self.num_blocks]
-        if bad:
-            raise ValueError(f"CPU block ids {bad} are outside the swap space of {self.num_blocks} blocks")
-        if cpu_block_ids:
-            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in cpu_block_ids])
+    def swap_in(self, pairs) -> None:
+        """Copy CPU blocks back into device blocks: pairs of (CPU block id, device block id)."""
+        cpu_ids, device_ids = self._check(pairs, "in")
+        if cpu_ids:
+            self._copy(self.blocks, cpu_ids, self._device_tensors(), device_ids)
+        self.blocks_swapped_in += len(cpu_ids)

@@ -271,6 +271,13 @@ class PooledBlockManager(BaseBlockManager):
         """Request id -> its physical block ids, in logical order (a new dict on every call)."""
         return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
 
+    def get_block_ids(self, request_id, start: int = 0) -> list[int]:
+        """A running request's physical block ids from logical block `start` on (a new list; see BaseBlockManager)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            self._check_running(request_id, "read the blocks of")
+        return [b.block_id for b in blocks[start:]]
+
     def free(self, request_id) -> None:
         """Drop the request's references, last block first; only blocks nobody else holds become free."""
         self._check_running(request_id, "free")

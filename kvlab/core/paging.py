@@ -90,6 +90,15 @@ class BaseBlockManager(ABC):
         held = num_blocks_needed(current, self.block_size)  # a request holds exactly the blocks its tokens fill
         return num_blocks_needed(after, self.block_size) - held - len(computed_blocks)
 
+    def get_block_ids(self, request_id, start: int = 0) -> list[int]:
+        """A running request's physical block ids from logical block `start` on, in logical order (a new list).
+
+        What crosses from the block manager to the scheduler and on to the model runner: one request's
+        table, or the tail of it that grew, instead of every request's table rebuilt.
+        """
+        self._check_running(request_id, "read the blocks of")
+        return list(self.block_tables[request_id][start:])
+
     # ----- changes -----
     @abstractmethod
     def allocate_slots(self, request_id, num_new_tokens: int, computed_blocks: Sequence = (),

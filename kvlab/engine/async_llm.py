@@ -92,7 +92,7 @@ class AsyncLLM:
 
     async def _abort_if_running(self, request_id: str) -> None:
         def abort():
-            if request_id in self.engine.parents and not self.engine.output(request_id).finished:
+            if self.engine.is_running(request_id):
                 self.engine.abort_request(request_id)
                 return True
             return False

@@ -9,40 +9,44 @@ LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}) specula
 ("draft_model" uses the course's embedded draft model unless "model" names another).
 
 LLM(kv_cache_dtype="int8") (or "fp8", vLLM's knob) stores the K/V cache in 8 bits, for generate and beam_search alike.
+Every keyword argument is a knob of kvlab.engine.config.EngineConfig, the configuration `kvlab serve`
+reads from its flags too.
 
 `llm.llm_engine` is the step-by-step engine underneath (add_request, step, has_unfinished_requests,
 abort_request), which the notebooks and widgets drive directly.
 """
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 
-from kvlab.cache.kv_storage import resolve_kv_cache_dtype
+from kvlab.engine.config import EngineConfig
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import CompletionOutput, RequestOutput
-from kvlab.engine.sampling_params import BeamSearchParams, SamplingParams
+from kvlab.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
     """A model plus a continuous-batching engine; model is None (the embedded model), a name or path, or a loaded model.
 
     dtype and device apply when kvlab loads the model (e.g. LLM("Qwen/Qwen2.5-0.5B-Instruct", dtype=torch.float16,
-    device="cuda")); kv_cache_dtype is "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"); the other
-    keyword arguments go to LLMEngine.
+    device="cuda")); kv_cache_dtype is "auto" (the model's dtype), "int8" or "fp8_e4m3" ("fp8"); every keyword
+    argument is an EngineConfig knob (or give config=EngineConfig(...)).
     """
 
-    def __init__(self, model=None, tokenizer=None, dtype=None, device=None, kv_cache_dtype: str = "auto",
-                 **engine_args):
-        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # before a model is loaded for nothing
+    def __init__(self, model=None, tokenizer=None, config: EngineConfig | None = None, **knobs):
+        if isinstance(model, str) or hasattr(model, "__fspath__"):
+            knobs.setdefault("model", str(model))
+        # Every knob is checked before a model is loaded for nothing.
+        config = EngineConfig.from_kwargs(**knobs) if config is None else config.replace(**knobs)
         if model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
-            import torch
-
             from kvlab.model.loader import load_model
 
-            model, loaded_tokenizer = load_model(model, dtype=dtype or torch.float32, device=device)
+            model_config = config.model_config
+            model, loaded_tokenizer = load_model(model, dtype=model_config.torch_dtype, device=model_config.device)
             tokenizer = tokenizer or loaded_tokenizer
         self.model, self.tokenizer = model, tokenizer
-        self.llm_engine = LLMEngine(model, tokenizer, kv_cache_dtype=kv_cache_dtype, **engine_args)
+        self.llm_engine = LLMEngine(model, tokenizer, config)
         self._counter = 0
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -59,6 +63,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Offline, only the finished outputs matter: nothing is detokenised along the way (vLLM does the same).
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.llm_engine
         ids = []
         try:
@@ -107,14 +113,15 @@ class LLM:
         results = []
         engine = self.llm_engine
         for prompt in prompts:
-            text, ids = engine._token_ids(prompt)
+            text, ids = engine.input_processor.tokenize(prompt)
             beams = beam_search(self.model, ids, params.beam_width, params.max_tokens, params.length_penalty,
                                 params.early_stopping, block_size=engine.block_size,
                                 kv_cache_dtype=engine.kv_cache_dtype)
             outputs = []
             for i, (tokens, score) in enumerate(beams):
-                finish = "stop" if tokens and tokens[-1] == engine.eos_token_id else "length"
-                outputs.append(CompletionOutput(i, engine._decode(tokens), tokens, finish, cumulative_logprob=score))
+                finish = "stop" if tokens and tokens[-1] in engine.eos_token_ids else "length"
+                outputs.append(CompletionOutput(i, engine.output_processor.decode(tokens), tokens, finish,
+                                                cumulative_logprob=score))
             results.append(RequestOutput(f"beam-{self._counter}", text, ids, outputs, finished=True))
             self._counter += 1
         return results

@@ -83,9 +83,10 @@ class RequestLatencies:
 def engine_metrics(engine) -> list[Metric]:
     """Every metric of an LLMEngine now, vLLM's names first-class."""
     sched, manager = engine.scheduler, engine.kv_cache_manager
+    running, waiting = sched.get_request_counts()
     metrics = [
-        Gauge("vllm:num_requests_running", len(sched.running)),
-        Gauge("vllm:num_requests_waiting", len(sched.waiting) + len(sched.swapped)),
+        Gauge("vllm:num_requests_running", running),
+        Gauge("vllm:num_requests_waiting", waiting),  # preempted requests wait again; swapped ones too
         Gauge("vllm:kv_cache_usage_perc", manager.num_used_blocks / engine.num_blocks),
         Counter("vllm:num_preemptions", sched.num_preemptions),
         Counter("vllm:prefix_cache_queries", manager.queries),

@@ -1,9 +1,13 @@
-"""Chapter 6's request: its tokens, how many of them the cache holds, and where it is in the scheduler."""
+"""Chapter 6's request: its tokens, how many of them the cache holds, and where it is in the scheduler.
+
+The scheduler owns every Request (vLLM's v1/request.py): it alone changes num_computed_tokens, the
+outputs and the status, in schedule() and update_from_output(). The model runner keeps its own
+copy of what it needs (kvlab.engine.model_runner.CachedRequestState), fed by the scheduler's output.
+"""
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
 
 from kvlab.engine.sampling_params import SamplingParams
 
@@ -26,23 +30,24 @@ class Request:
     """One sequence the engine serves: prompt plus outputs, of which num_computed_tokens have K/V in the cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 eos_token_id: int | None, prompt: str | None = None, max_model_len: int | None = None):
+                 eos_token_ids: Iterable[int] | int | None = (), prompt: str | None = None,
+                 max_model_len: int | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
         self.arrival = arrival               # order of add_request calls: breaks ties, keeps outputs in order
-        self.eos_token_id = eos_token_id
+        # A model may list several end-of-sequence ids (Llama 3's generation config does): any of them stops it.
+        self.eos_token_ids = frozenset(() if eos_token_ids is None else
+                                       (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids)
         self.max_model_len = max_model_len
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0         # tokens whose K/V are in the cache
         self.num_preemptions = 0
         self.recompute_until = 0             # tokens whose K/V a recompute preemption threw away
-        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Speculative decoding: tokens a proposer guessed after the last sampled one, verified next step.
         self.spec_token_ids: list[int] = []
-        self.arrival_time = self.last_token_time = 0.0  # perf_counter seconds, set by the engine
         # Tokens whose blocks are reserved at admission (an Orca-style baseline); 0: blocks as tokens come (paging).
         self.reserved_len = 0
 
@@ -55,6 +60,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1 of prompt plus outputs, without building the whole sequence (a decode reads one)."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     @property
     def num_tokens(self) -> int:
@@ -74,13 +88,14 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_tokens_to_compute > 1 or not self.output_token_ids
 
-    def append_output(self, token: int, max_model_len: int) -> None:
+    def append_output(self, token: int, max_model_len: int | None = None) -> None:
         """Add a sampled token and finish the request if it hit a stop token, max_tokens or the model's length."""
         self.output_token_ids.append(token)
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.status = RequestStatus.FINISHED_STOPPED
-        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_len \
+                or (max_model_len is not None and self.num_tokens >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
 
 

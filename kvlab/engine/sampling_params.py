@@ -1,9 +1,17 @@
 """Chapter 6's request parameters, named and defaulted as in vLLM: SamplingParams and BeamSearchParams."""
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 from kvlab.validation import check_positive_int, is_integer
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request's caller hears of (vLLM's name): every step's whole text so far, or only the last."""
+
+    CUMULATIVE = 0    # after every step that gave it tokens: all its tokens and text so far (the engine's default)
+    FINAL_ONLY = 2    # once, when it finishes (LLM.generate: nothing is detokenised along the way)
 
 
 @dataclass(slots=True)
@@ -21,8 +29,10 @@ class SamplingParams:
     top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
     max_tokens: int = 16          # new tokens at most (vLLM's default)
     stop_token_ids: list[int] = field(default_factory=list)  # stop after emitting any of these
-    ignore_eos: bool = False      # keep going past the model's end-of-sequence token
+    stop: list[str] = field(default_factory=list)  # stop before any of these strings; the text ends where it begins
+    ignore_eos: bool = False      # keep going past the model's end-of-sequence token(s)
     seed: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         check_positive_int("n", self.n)
@@ -40,6 +50,12 @@ class SamplingParams:
         if any(not is_integer(t) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = stops
+        strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(t, str) or not t for t in strings):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = strings
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,15 @@
 """Chapter 6's scheduler: each step, one batch of decodes and chunked prefills under a token budget.
 
+An engine step is three calls, as in vLLM V1's EngineCore.step:
+
+    scheduler_output = scheduler.schedule()                              # who runs, which tokens, which blocks
+    runner_output = model_runner.execute_model(scheduler_output)         # forward, sample, verify, propose
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)   # append, stop, roll back, free
+
+The scheduler owns every request's state (its queue, status, num_computed_tokens and outputs); the
+KV cache manager owns the blocks; the model runner owns the tensors. What the runner needs crosses
+over as data (kvlab.engine.scheduler_output), copy orders included.
+
 Every step it walks the running requests in admission order and gives each its next tokens: one for
 a decode, the next chunk of the prompt for a prefill, never more than max_num_batched_tokens in all.
 When the pool has no block for a running request, the most recently admitted running request is
@@ -21,13 +31,16 @@ carries out what they decide.
 """
 
 from collections import deque
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable
 
-from kvlab.cache.swap import SwapSpace
+from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.paging import num_blocks_needed
+from kvlab.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from kvlab.engine.request import Request, RequestStatus
+from kvlab.engine.scheduler_output import NewRequestData, SchedulerOutput
+from kvlab.spec_decode.metrics import SpecDecodingStats
+from kvlab.validation import check_int
 
 # ----- the rules, as pure functions -----
 
@@ -68,71 +81,75 @@ def choose_preemption_victims(running: list[tuple[Hashable, int]], num_free_bloc
     return victims
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """A request's share of one step: its next num_new_tokens tokens and their cache slots.
-
-    With speculative decoding the last num_draft_tokens of them are unverified drafts, and
-    num_lookahead_tokens more slots were held for the draft model's own K/V.
-    """
-
-    request: Request
-    num_new_tokens: int
-    slots: list[int]
-    num_draft_tokens: int = 0
-    num_lookahead_tokens: int = 0
-    samples: bool = True  # the new tokens reach the sequence's end, so this step gives the request tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs, and what the scheduler did to make room."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)      # request ids preempted this step
-    swapped_out: list[str] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
-    admitted: list[str] = field(default_factory=list)        # first admissions and re-admissions
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
 class Scheduler:
-    """Waiting, running and swapped queues over one KVCacheManager (and a SwapSpace for swap preemption)."""
+    """Waiting, running and swapped queues over one KVCacheManager (and a CPU block pool for swap preemption)."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", swap_space: SwapSpace | None = None,
-                 num_lookahead_tokens: int = 0):
+                 preemption_mode: str = "recompute", num_cpu_blocks: int = 0, num_lookahead_tokens: int = 0,
+                 num_speculative_tokens: int = 0):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if preemption_mode == "swap" and swap_space is None:
-            raise ValueError("preemption_mode='swap' needs a swap space (a CPU block pool)")
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.swap_space = swap_space
+        # Which CPU blocks hold a swapped request's K/V: Chapter 4's BlockPool without prefix caching. The copies
+        # themselves are the runner's (kvlab.cache.swap.SwapSpace), ordered through the scheduler output.
+        self.cpu_block_pool = BlockPool(num_cpu_blocks, enable_prefix_caching=False) \
+            if preemption_mode == "swap" and num_cpu_blocks else None
         # Slots past a sampling request's tokens for a draft model's K/V (vLLM's num_lookahead_tokens).
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        self.requests: dict[str, Request] = {}  # every request ever added, finished ones included (the block map's)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # in admission order: the last one is the next victim
         self.swapped: deque[Request] = deque()
         self.cpu_blocks: dict[str, list[int]] = {}  # swapped request -> its CPU block ids
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens that had K/V once, lost them to preemption and ran again
+        # The last step's rollbacks, for the block map: request id -> (first rejected position, rejected, freed ids).
+        self.last_rollbacks: dict[str, tuple[int, int, list[int]]] = {}
+        # What the runner holds: per request, the length of the block table it was last sent; requests whose
+        # table it must replace (re-admitted), blocks it must drop (rolled back) and requests it must forget.
+        self._runner_table_len: dict[str, int] = {}
+        self._resumed: set[str] = set()
+        self._dropped_blocks: dict[str, int] = {}
+        self._finished_req_ids: set[str] = set()
 
-    def add(self, request: Request) -> None:
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks in the CPU pool (0 without swap preemption)."""
+        return 0 if self.cpu_block_pool is None else self.cpu_block_pool.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks a swap-out can still take."""
+        return 0 if self.cpu_block_pool is None else self.cpu_block_pool.num_free_blocks
+
+    def _free_cpu_blocks(self, cpu_ids: list[int]) -> None:
+        if cpu_ids:
+            self.cpu_block_pool.free_blocks([self.cpu_block_pool.blocks[i] for i in cpu_ids])
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting): preempted requests wait again, and swapped ones wait to be swapped back in."""
+        return len(self.running), len(self.waiting) + len(self.swapped)
 
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating cache slots for every scheduled token."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
         running = list(self.running)
         # The budget goes to the running requests first, in admission order.
         # A speculating request asks for its draft tokens too; the budget may cut some of them off.
@@ -153,22 +170,22 @@ class Scheduler:
             self._preempt(by_id[request_id], out)
         for request, n in zip(running, shares):
             if n and request in self.running:
-                out.scheduled.append(self._allocate(request, n))
-        if out.preempted:
+                self._allocate(request, n, out)
+        if out.preempted_req_ids:
             return out  # no room to spare this step: admit nobody
-        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            scheduled = self._swap_in(self.swapped[0], budget, out)
-            if scheduled is None:
+            n = self._swap_in(self.swapped[0], budget, out)
+            if n is None:
                 break
             self.swapped.popleft()
-            budget -= scheduled.num_new_tokens
+            budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self.swapped:
-            scheduled = self._admit(self.waiting[0], budget, out)
-            if scheduled is None:
+            n = self._admit(self.waiting[0], budget, out)
+            if n is None:
                 break
             self.waiting.popleft()
-            budget -= scheduled.num_new_tokens
+            budget -= n
         return out
 
     def _blocks_freed_by_preemption(self) -> list[int]:
@@ -177,11 +194,10 @@ class Scheduler:
         Victims go from the back, so those are its blocks that no earlier running request shares (with
         prefix caching, the n completions of one prompt share its full blocks).
         """
-        tables = self.kv.block_tables
         held_before: set[int] = set()
         freed = []
         for request in self.running:
-            own = set(tables[request.request_id]) - held_before
+            own = set(self.kv.get_block_ids(request.request_id)) - held_before
             freed.append(len(own))
             held_before |= own
         return freed
@@ -198,19 +214,49 @@ class Scheduler:
             return reserve
         return max(reserve, min(self.num_lookahead_tokens, request.max_len - end))
 
-    def _allocate(self, request: Request, n: int, computed_blocks=()) -> ScheduledRequest:
-        start = request.num_computed_tokens
+    def _allocate(self, request: Request, n: int, out: SchedulerOutput, computed_blocks=()) -> None:
+        """Give a request n new tokens' slots and put it in this step's output (with its drafts and new blocks)."""
+        rid, start = request.request_id, request.num_computed_tokens
         # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
         self.num_recomputed_tokens += max(0, min(start + n, request.recompute_until) - start)
         num_drafts = max(0, start + n - request.num_tokens)
         del request.spec_token_ids[num_drafts:]  # drafts the budget did not reach are dropped, as in vLLM V1
         lookahead = self._lookahead(request, n)
-        tokens = (request.all_token_ids + request.spec_token_ids)[start:start + n]
-        slots = self.kv.allocate_slots(request.request_id, n, computed_blocks, new_token_ids=tokens,
-                                       num_draft_tokens=num_drafts, num_lookahead_tokens=lookahead)
-        return ScheduledRequest(request, n, slots, num_drafts, lookahead, start + n - num_drafts >= request.num_tokens)
+        tokens = request.token_ids_between(start, start + n - num_drafts)
+        if num_drafts:
+            tokens += request.spec_token_ids
+        self.kv.allocate_slots(rid, n, computed_blocks, new_token_ids=tokens, num_draft_tokens=num_drafts,
+                               num_lookahead_tokens=lookahead)
+        out.num_scheduled_tokens[rid] = n
+        if num_drafts:
+            out.scheduled_spec_decode_tokens[rid] = list(request.spec_token_ids)
+        self._tell_runner(request, out)
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
+    def _tell_runner(self, request: Request, out: SchedulerOutput) -> None:
+        """Describe a scheduled request for the runner: in full the first time, else only what changed."""
+        rid = request.request_id
+        sent = self._runner_table_len.get(rid)
+        if sent is None:
+            block_ids = self.kv.get_block_ids(rid)
+            out.scheduled_new_reqs.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
+                                                         request.params, block_ids, request.num_computed_tokens))
+            self._runner_table_len[rid] = len(block_ids)
+            return
+        if rid in self._resumed:  # re-admitted: its table starts over
+            self._resumed.discard(rid)
+            self._dropped_blocks.pop(rid, None)
+            block_ids = self.kv.get_block_ids(rid)
+            out.scheduled_cached_reqs.add(rid, True, block_ids, 0, request.num_computed_tokens)
+            self._runner_table_len[rid] = len(block_ids)
+            return
+        dropped = self._dropped_blocks.pop(rid, 0)
+        kept = sent - dropped
+        new = self.kv.get_block_ids(rid, start=kept)
+        out.scheduled_cached_reqs.add(rid, False, new, dropped, request.num_computed_tokens)
+        self._runner_table_len[rid] = kept + len(new)
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit the request at the front of the waiting queue if its first chunk fits; its tokens, or None."""
         # A re-admitted (recompute-preempted) request looks up its prompt *and* outputs: the blocks it
         # freed may still be cached, which makes the recompute cheaper.
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
@@ -219,14 +265,14 @@ class Scheduler:
         if self.kv.num_blocks_to_allocate(request.request_id, n, hits, lookahead) > self.kv.num_free_blocks:
             return None
         request.num_computed_tokens = num_cached
-        scheduled = self._allocate(request, n, hits)
+        self._allocate(request, n, out, hits)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.scheduled.append(scheduled)
         out.admitted.append(request.request_id)
-        return scheduled
+        return n
 
-    def _swap_in(self, request: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
+    def _swap_in(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Bring the front swapped request back if its blocks and next chunk fit; its tokens, or None."""
         rid, computed = request.request_id, request.num_computed_tokens
         tokens = request.all_token_ids
         hits, num_cached = self.kv.get_computed_blocks(rid, tokens[:computed])
@@ -239,28 +285,31 @@ class Scheduler:
         # Hits stop one token short of what was computed, so at least one token's block is copied back.
         self.kv.allocate_slots(rid, computed - num_cached, hits, new_token_ids=tokens[num_cached:computed])
         first = num_cached // self.kv.block_size  # blocks still cached need no copy
-        gpu_ids = self.kv.block_tables[rid][first:len(cpu_ids)]
-        self.swap_space.swap_in(cpu_ids[first:], gpu_ids)
-        self.swap_space.free(cpu_ids)
-        scheduled = self._allocate(request, n)
+        gpu_ids = self.kv.get_block_ids(rid, start=first)[:len(cpu_ids) - first]
+        out.blocks_to_swap_in += zip(cpu_ids[first:], gpu_ids)
+        # Free now: the runner copies them back before this step's forward pass, and a step that swaps in never
+        # swaps out (it preempted nobody), so no swap-out of this step can be handed these CPU blocks.
+        self._free_cpu_blocks(cpu_ids)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.scheduled.append(scheduled)
+        self._allocate(request, n, out)
         out.swapped_in.append(rid)
         out.admitted.append(rid)
-        return scheduled
+        return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         rid = request.request_id
         request.spec_token_ids.clear()  # guessed for a step that will not come; proposed afresh once it runs again
         self.num_preemptions += 1
         request.num_preemptions += 1
-        out.preempted.append(rid)
+        out.preempted_req_ids.append(rid)
+        self._resumed.add(rid)
         if self.preemption_mode == "swap":
             # Only the blocks of computed tokens: lookahead blocks past them hold nothing worth keeping.
-            table = self.kv.block_tables[rid][:num_blocks_needed(request.num_computed_tokens, self.kv.block_size)]
-            cpu_ids = self.swap_space.swap_out(table)
-            if cpu_ids is not None:
+            table = self.kv.get_block_ids(rid)[:num_blocks_needed(request.num_computed_tokens, self.kv.block_size)]
+            if len(table) <= self.num_free_cpu_blocks:
+                cpu_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(table))] if table else []
+                out.blocks_to_swap_out += zip(table, cpu_ids)
                 self.kv.free(rid)
                 self.cpu_blocks[rid] = cpu_ids
                 request.status = RequestStatus.SWAPPED
@@ -275,14 +324,73 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ----- after the step -----
-    def finish(self, request: Request) -> None:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply the runner's tokens: append them up to a stop, roll back rejected drafts, keep the new drafts, and
+        release the requests that finished. Returns one EngineCoreOutput per request that got tokens."""
+        self.last_rollbacks = {}
+        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        outputs = []
+        done = []
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            if request.status.finished:  # aborted after it was scheduled
+                continue
+            i = index.get(rid)
+            tokens = runner_output.sampled_token_ids[i] if i is not None else []
+            if not tokens:  # a prefill chunk that does not finish its prompt
+                request.num_computed_tokens += n
+                continue
+            emitted = []
+            for token in tokens:
+                request.append_output(token)
+                emitted.append(token)
+                if request.status.finished:
+                    break
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+            accepted = len(tokens) - 1  # every token but the last was a draft the target agreed with
+            request.num_computed_tokens += n - (num_drafts - accepted)
+            if self.spec_stats is not None:
+                self.spec_stats.observe(num_drafts, accepted)
+                freed = self.kv.rollback_draft_tokens(rid, accepted, self.num_lookahead_tokens)
+                if freed:
+                    self._dropped_blocks[rid] = self._dropped_blocks.get(rid, 0) + len(freed)
+                if num_drafts > accepted:
+                    self.last_rollbacks[rid] = (request.num_computed_tokens, num_drafts - accepted, freed)
+            request.spec_token_ids = []
+            if request.status.finished:
+                done.append(request)
+            elif runner_output.spec_token_ids is not None:
+                request.spec_token_ids = list(runner_output.spec_token_ids[i])
+            outputs.append(EngineCoreOutput(rid, emitted, request.status, num_drafts, accepted))
+        for request in done:  # after every rollback, so blocks go back to the pool in the same order each step
+            self._free(request)
+        return outputs
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Stop requests now (an abort) and release whatever they hold: blocks, CPU blocks, a queue place."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        for rid in request_ids:
+            request = self.requests[rid]
+            if request.status.finished:
+                continue
+            self._free(request)
+            request.status = status
+
+    def _free(self, request: Request) -> None:
         """Release a request that stopped (or was aborted) from whichever queue holds it."""
         rid = request.request_id
+        request.spec_token_ids = []
         if request in self.running:
             self.running.remove(request)
             self.kv.free(rid)
         elif request in self.swapped:
             self.swapped.remove(request)
-            self.swap_space.free(self.cpu_blocks.pop(rid))
+            self._free_cpu_blocks(self.cpu_blocks.pop(rid))
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self._runner_table_len.pop(rid, None) is not None:
+            self._finished_req_ids.add(rid)  # the runner forgets it at the next step
+        self._resumed.discard(rid)
+        self._dropped_blocks.pop(rid, None)

@@ -11,9 +11,10 @@ kvlab.kernels was imported with the interpreter on (the default on a machine wit
 a fresh process (`python -m kvlab.kernels.aot`, as the CI test does): once a kernel has run in the
 interpreter, Triton leaves triton.language patched for it and compiling in that process fails.
 
-The kernels are the unified paged-attention kernel (chunked prefills and decodes, kvlab.kernels.unified_attention)
-and the split-KV decode pair. Besides fp32 / fp16 / bf16 pools, the unified and split-KV kernels are compiled for
-quantized pools (QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89
+The kernels are the unified paged-attention kernel (chunked prefills and decodes,
+kvlab.kernels.triton_unified_attention) and the split-KV decode pair (kvlab.kernels.split_kv). Besides
+fp32 / fp16 / bf16 pools, the unified and split-KV kernels are compiled for quantized pools
+(QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89
 on, the first NVIDIA GPUs that convert it in hardware: Triton 3.7 refuses fp8e4nv below sm_89 ("type fp8e4nv
 not supported in this architecture"; it offers only fp8e4b15 and fp8e5 there).
 Their q and output are fp16 by default; the reduce kernel never reads the pools, so it has no such variant.
@@ -40,8 +41,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from . import paged_decode as pa
-from . import unified_attention as ua
+from . import interpreter
+from . import split_kv as sk
+from . import triton_unified_attention as ua
 
 # Triton's names for the element types of q, the caches and the output.
 DTYPES = ("fp32", "fp16", "bf16")
@@ -112,7 +114,7 @@ def _compiler_mode():
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        with pa.triton_language_as(interpreted=False):
+        with interpreter.triton_language_as(interpreted=False):
             yield
     finally:
         if saved is None:
@@ -127,7 +129,7 @@ def _jit(kernel) -> JITFunction:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAULT_TILE, kv_dtype=None):
+def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAULT_TILE, kv_dtype=None):
     """(kernel, signature, constexprs, num_warps) for the kernels, as the launchers would pass them.
 
     kv_dtype None: the pools hold dtype, the three kernels. "int8" or "fp8": quantized pools read with fp32
@@ -164,15 +166,15 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = pa.DEFAU
     if not quantized:
         split_consts.update(k_scale_ptr=None, v_scale_ptr=None)
     unified_warps = ua.num_warps_for(block_m, head_dim_pad, tile)
-    kernels = [(ua._unified_attention_kernel, unified, unified_consts, unified_warps),
-               (ua._paged_decode_split_kernel, split, split_consts, unified_warps)]
+    kernels = [(ua.unified_attention_kernel, unified, unified_consts, unified_warps),
+               (sk.paged_decode_split_kernel, split, split_consts, unified_warps)]
     if quantized:
         return kernels
     reduce = {"out_ptr": io, "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32",
               "seq_lens_ptr": "*i32", "tokens_per_split": "i32", "num_splits": "i32",
               "stride_out_seq": "i32", "stride_out_head": "i32"}
     reduce_consts = {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "NUM_SPLITS_PAD": 16}
-    return kernels + [(pa._split_reduce_kernel, reduce, reduce_consts, 4)]  # the launcher's num_warps for the reduce
+    return kernels + [(sk.split_reduce_kernel, reduce, reduce_consts, 4)]  # the launcher's num_warps for the reduce
 
 
 def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None,
@@ -229,8 +231,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write each kernel's .ptx and .cubin here")
     parser.add_argument("--json", action="store_true", help="one JSON object per compiled kernel")
     args = parser.parse_args(argv)
+    mode = "on" if interpreter.RUNS_IN_INTERPRETER else "off"
     print(f"# triton {triton.__version__}; kernels compiled from their @triton.jit source "
-          f"(kvlab.kernels imported with the interpreter {'on' if pa.RUNS_IN_INTERPRETER else 'off'})", flush=True)
+          f"(kvlab.kernels imported with the interpreter {mode})", flush=True)
     for sm in args.sm:
         for result in compile_kernels(sm, args.head_dim, args.block_size, args.dtypes, args.out, args.kv_dtypes,
                                       args.kv_q_dtype):

@@ -1,7 +1,9 @@
-"""Chapter 7's spec: paged decode attention in plain torch, one sequence at a time, to check the kernels against.
+"""Chapter 7's spec: the kernels' contract in plain torch, one sequence at a time, to check the kernels against.
 
-The same math as kvlab.cache.paged_cache.paged_attention with a single query per sequence: gather the
-sequence's keys and values through its block table, then softmax(q k^T * scale) v in fp32.
+One reference for one contract: a ragged step's new tokens attend causally over their sequences' paged
+K/V (unified_attention_reference); a decode is its one-new-token case. The math is that of
+kvlab.cache.paged_cache.paged_attention: gather the sequence's keys and values through its block table,
+then softmax(q k^T * scale) v in fp32, on the kernels' tensor layout.
 Quantized pools (int8 or fp8, Chapter 10) are dequantised right after the gather with
 kvlab.quantization.dequantize: stored * the scale of each (block, KV head).
 """
@@ -20,39 +22,7 @@ def gather_blocks(cache, blocks, scales=None):
     return dequantize(stored, scales[blocks][:, None, :])  # one scale per (block, head), shared by its slots and dims
 
 
-def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
-                                     v_scale=None):
-    """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
-
-    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs]. Returns q's shape and dtype.
-    int8 / fp8 pools need k_scale, v_scale [num_blocks, num_kv_heads]: real value = stored * scale.
-    """
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("give both k_scale and v_scale (8-bit pools) or neither")
-    if k_scale is None and k_cache.element_size() == 1:
-        raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: "
-                         f"pass k_scale and v_scale")
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    scale = head_dim ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    for i in range(num_seqs):
-        seq_len = int(seq_lens[i])
-        # Only the blocks this sequence uses: the rest of its table row may name anything.
-        blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = gather_blocks(k_cache, blocks, k_scale).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-        v = gather_blocks(v_cache, blocks, v_scale).flatten(0, 1)[:seq_len]
-        # GQA: query head h reads KV head h // (num_heads // num_kv_heads).
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale  # [num_heads, seq_len]
-        probs = torch.softmax(scores, dim=-1)
-        out[i] = torch.einsum("ht,thd->hd", probs, v).to(q.dtype)
-    return out
-
-
-def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+def unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                               k_scale=None, v_scale=None):
     """A ragged step's new tokens attending causally over their sequences, gathered block by block, in fp32.
 
@@ -81,3 +51,21 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out
+
+
+def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
+                                     v_scale=None):
+    """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs]. Returns q's shape and dtype.
+    int8 / fp8 pools need k_scale, v_scale [num_blocks, num_kv_heads]: real value = stored * scale.
+    The decode is the ragged step's one-token case, so this is unified_attention_reference with
+    query_start_loc = 0, 1, ..., num_seqs.
+    """
+    if k_scale is None and k_cache.element_size() == 1:
+        raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: "
+                         f"pass k_scale and v_scale")
+    query_start_loc = torch.arange(q.shape[0] + 1)
+    return unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale,
+                                       v_scale)

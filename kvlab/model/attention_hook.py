@@ -45,10 +45,12 @@ def kvlab_attention(model):
 
 
 @torch.inference_mode()
-def forward(model, input_ids, positions, cache) -> torch.Tensor:
+def forward(model, input_ids, positions, cache, logits_indices=None) -> torch.Tensor:
     """Run the model on T new tokens whose K/V go into `cache`; returns logits [T, vocab].
 
     input_ids, positions: [T] token ids and their absolute positions in their sequence.
+    logits_indices: only these rows' logits are computed and returned, [len(logits_indices), vocab] (an engine
+    needs one row per sequence, not one per prompt token: the LM head is skipped for the others).
     """
     # The position check reads host values: a list checked before it moves costs the GPU no sync.
     highest = max(positions, default=-1) if not isinstance(positions, torch.Tensor) else None
@@ -65,6 +67,8 @@ def forward(model, input_ids, positions, cache) -> torch.Tensor:
     highest = int(positions.max()) if highest is None else int(highest)
     if highest >= limit:
         raise ValueError(f"position {highest} is beyond the model's context of {limit} tokens")
+    keep = {} if logits_indices is None else \
+        {"logits_to_keep": torch.as_tensor(logits_indices, dtype=torch.long, device=model.device)}
     with kvlab_attention(model):
-        out = model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, kv_cache=cache)
+        out = model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, kv_cache=cache, **keep)
     return out.logits[0]

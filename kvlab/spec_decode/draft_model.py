@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.batched_attention import BatchedPagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch, last_token_logits
+from kvlab.model.config import context_length
 
 
 @dataclass(slots=True)
@@ -35,6 +36,26 @@ class DraftRequest:
     generator: torch.Generator | None = None
 
 
+def load_draft_model(source, target):
+    """The draft model speculative_config names (None: the course's embedded draft), in the target's dtype and on
+    its device; checked against the target (same vocabulary, at least its context)."""
+    if source is None or isinstance(source, str) or hasattr(source, "__fspath__"):
+        from kvlab.model.loader import load_model
+        from kvlab.paths import DEFAULT_DRAFT_MODEL_DIR
+
+        draft, _ = load_model(DEFAULT_DRAFT_MODEL_DIR if source is None else source, dtype=target.dtype,
+                              device=str(target.device))
+    else:
+        draft = source
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                         f"target's ({target.config.vocab_size}): a draft must share the target's tokenizer")
+    if context_length(draft) < context_length(target):
+        raise ValueError(f"the draft model's context ({context_length(draft)} tokens) is shorter than the "
+                         f"target's ({context_length(target)})")
+    return draft
+
+
 # (logits [N, vocab], params per row, generators per row) -> (token per row, probabilities [N, vocab] or None rows)
 DraftSampler = Callable[[torch.Tensor, list, list], tuple[list[int], list[torch.Tensor | None]]]
 
@@ -43,12 +64,12 @@ class DraftModelProposer:
     """A draft model, its paged cache (same num_blocks and block_size as the target's) and how far each request is."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_speculative_tokens: int, sampler: DraftSampler,
-                 decode_backend: str = "auto", kv_cache_dtype: str = "auto"):
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
         self.model = model
         self.k = num_speculative_tokens
         self.sampler = sampler
-        self.cache = BatchedPagedKVCache.for_model(model, num_blocks, block_size, decode_backend,
-                                                   kv_cache_dtype=kv_cache_dtype)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, attention_backend=attention_backend,
+                                            kv_cache_dtype=kv_cache_dtype)
         self.num_computed: dict[str, int] = {}  # request id -> positions whose draft K/V are valid
         self.num_forward_passes = 0
 

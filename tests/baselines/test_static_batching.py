@@ -34,7 +34,7 @@ def test_continuous_batching_runs_fewer_passes(embedded):
     static.generate(PROMPTS, params)
     llm = LLM(model, tokenizer, max_num_seqs=4, num_blocks=64)
     llm.generate(PROMPTS, params)
-    assert llm.llm_engine.runner.num_forward_passes < static.num_forward_passes, (
+    assert llm.llm_engine.model_runner.num_forward_passes < static.num_forward_passes, (
         "a finished request's place is refilled at once, so the same work takes fewer steps")
 
 
@@ -45,7 +45,7 @@ def test_bad_input(embedded):
     engine = StaticBatchingEngine(model, tokenizer, batch_size=2)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate(["OTHELLO.\n", ""], SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="exceed max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 256"):
         engine.generate(["OTHELLO.\n"], SamplingParams(max_tokens=400))
     with pytest.raises(ValueError, match="n = 1 only"):
         engine.generate(["OTHELLO.\n"], SamplingParams(n=2, max_tokens=4))

@@ -1,7 +1,7 @@
-"""The paged cache as storage x decode backend: every storage format read by every backend, swapped and copied.
+"""The paged cache as storage x attention backend: every storage format read by every backend, swapped and copied.
 
 Storage formats (kvlab.cache.kv_storage): "auto" (the model's dtype), "int8", "fp8_e4m3" (alias "fp8").
-Decode backends (kvlab.cache.attention_backends): "reference" (Chapter 3), "torch" (batched), "triton"
+Attention backends (kvlab.cache.attention_backends): "reference" (Chapter 3), "torch" (batched), "triton"
 (the kernel, in Triton's interpreter on CPU). Tolerances were measured on this test's data, 5 seeds:
 
   same storage, another backend      max |diff| 4.8e-7 (fp32 summation order); tolerance 1e-5
@@ -15,10 +15,8 @@ import torch
 
 import kvlab.kernels  # noqa: F401  (on a CPU-only machine this switches Triton to its interpreter)
 from kvlab.analysis.kv_size import kv_shape
-from kvlab.cache.batched_attention import BatchedPagedKVCache
 from kvlab.cache.kv_storage import KV_CACHE_DTYPES, block_bytes, resolve_kv_cache_dtype
 from kvlab.cache.paged_cache import PagedKVCache, copy_blocks
-from kvlab.cache.quantized_cache import QuantizedPagedKVCache
 from kvlab.cache.ragged_batch import BatchLayout
 from kvlab.cache.swap import SwapSpace
 
@@ -45,11 +43,11 @@ def _tables(seed):
     return tables
 
 
-def _run(kv_cache_dtype, decode_backend, seed):
+def _run(kv_cache_dtype, attention_backend, seed):
     """Every pass's attention output [T, H, D] on a one-layer cache, the same random q, k, v for every combination."""
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(1, NUM_BLOCKS, BLOCK, KV_HEADS, DIM, kv_cache_dtype=kv_cache_dtype,
-                         decode_backend=decode_backend)
+                         attention_backend=attention_backend)
     tables = _tables(seed)
     done = [0, 0, 0]
     outs = []
@@ -92,7 +90,7 @@ def test_half_precision_storage_in_the_model_dtype():
     q = torch.randn(1, HEADS, 1, DIM, generator=g).bfloat16()
     outs = []
     for backend in ("reference", "torch"):
-        cache = PagedKVCache(1, 4, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, decode_backend=backend)
+        cache = PagedKVCache(1, 4, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, attention_backend=backend)
         assert cache.k_pools[0].dtype == torch.bfloat16 and cache.kv_cache_dtype == "auto" and cache.k_scales == []
         cache.write(0, k[:11], v[:11], torch.arange(11))
         cache.set_batch(BatchLayout([1], [12], [[0, 1]], torch.tensor([11])))  # the 12th token decodes
@@ -116,9 +114,9 @@ def test_nbytes_is_block_bytes_times_blocks(embedded, kv_cache_dtype, stored):
 
 # --- copy-on-write and swap move the scales with the values -----------------------------------
 
-def _filled(kv_cache_dtype, decode_backend="reference", seed=0):
+def _filled(kv_cache_dtype, attention_backend="reference", seed=0):
     g = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(2, 6, 4, KV_HEADS, DIM, kv_cache_dtype=kv_cache_dtype, decode_backend=decode_backend)
+    cache = PagedKVCache(2, 6, 4, KV_HEADS, DIM, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend)
     for layer in range(2):
         x = torch.randn(16, KV_HEADS, DIM, generator=g) * torch.tensor([0.5, 4.0])[None, :, None]
         cache.write(layer, x, -2 * x, torch.arange(16))  # blocks 0-3 full, each with its own scales
@@ -144,15 +142,14 @@ def test_swap_out_and_in_restores_values_and_scales(kv_cache_dtype):
     swap = SwapSpace(cache, 3)
     assert swap.block_bytes == cache.nbytes // cache.num_blocks, "a CPU block costs what a device block does"
     assert len(swap.blocks) == len(cache.storage.block_tensors()) == (4 if kv_cache_dtype == "auto" else 8)
-    cpu = swap.swap_out([2, 0])
+    swap.swap_out([(2, 1), (0, 2)])
     for layer in range(2):  # the device blocks are reused by someone else meanwhile
         cache.write(layer, 9 * torch.ones(8, KV_HEADS, DIM), torch.ones(8, KV_HEADS, DIM), torch.arange(8))
-    swap.swap_in(cpu, [5, 4])
+    swap.swap_in([(1, 5), (2, 4)])
     for layer in range(2):
         k, v = cache.dequantized(layer)
         assert torch.equal(k[5], before[layer][0][2]) and torch.equal(v[4], before[layer][1][0])
-    swap.free(cpu)
-    assert swap.num_free_blocks == 3 and swap.blocks_swapped_out == swap.blocks_swapped_in == 2
+    assert swap.blocks_swapped_out == swap.blocks_swapped_in == 2
 
 
 # --- names and bad input ----------------------------------------------------------------------
@@ -162,7 +159,7 @@ def test_kv_cache_dtype_names():
     names = ("auto", "int8", "fp8", "fp8_e4m3")
     assert [resolve_kv_cache_dtype(n) for n in names] == ["auto", "int8", "fp8_e4m3", "fp8_e4m3"]
     assert PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
-    assert QuantizedPagedKVCache(1, 2, 4, 1, 16, "fp8").k_pools[0].dtype == torch.float8_e4m3fn
+    assert PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="fp8").k_pools[0].dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("bad", ["float16", "fp16", "int4", "fp8_e5m2", "", None, torch.int8, ["int8"]])
@@ -171,19 +168,20 @@ def test_bad_kv_cache_dtype_names_the_choices(bad):
         PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype=bad)
 
 
-def test_bad_decode_backend_names_the_choices():
-    with pytest.raises(ValueError, match="decode_backend must be one of auto, reference, torch, triton"):
-        PagedKVCache(1, 2, 4, 1, 16, decode_backend="cuda")
-    with pytest.raises(ValueError, match="decode_backend must be one of auto, torch, triton"):
-        BatchedPagedKVCache(1, 2, 4, 1, 16, decode_backend="reference")
+def test_bad_attention_backend_names_the_choices():
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, torch, triton"):
+        PagedKVCache(1, 2, 4, 1, 16, attention_backend="cuda")
 
 
-def test_the_subclasses_are_the_composed_cache_with_their_defaults():
-    """BatchedPagedKVCache defaults to the 'auto' backend, QuantizedPagedKVCache to int8; each takes the other knob."""
-    batched = BatchedPagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="int8")
-    assert batched.decode_backend == ("triton" if torch.cuda.is_available() else "torch")
-    assert batched.kv_cache_dtype == "int8" and batched.k_scales[0].shape == (2, 1)
-    quantized = QuantizedPagedKVCache(1, 2, 4, 1, 16, decode_backend="torch")
-    assert (quantized.kv_cache_dtype, quantized.decode_backend) == ("int8", "torch")
-    with pytest.raises(ValueError, match="supported: int8, fp8, fp8_e4m3"):
-        QuantizedPagedKVCache(1, 2, 4, 1, 16, "auto")
+def test_the_old_decode_backend_keyword_still_works_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match="decode_backend is now called attention_backend"):
+        cache = PagedKVCache(1, 2, 4, 1, 16, decode_backend="torch")
+    assert cache.attention_backend == "torch"
+
+
+def test_one_cache_class_takes_both_knobs():
+    """The composed cache: any storage format with any backend; 'auto' is the kernel on CUDA, batched torch here."""
+    cache = PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="int8", attention_backend="auto")
+    assert cache.attention_backend == ("triton" if torch.cuda.is_available() else "torch")
+    assert cache.kv_cache_dtype == "int8" and cache.k_scales[0].shape == (2, 1)
+    assert PagedKVCache(1, 2, 4, 1, 16).attention_backend == "reference", "Chapter 3's cache: the per-sequence path"

@@ -5,7 +5,7 @@ import torch
 
 import kvlab.cache.naive_cache
 import kvlab.decoding.generate
-from kvlab.checks import CheckFailed, check_close, check_equal, limited_output, own_implementation
+from kvlab.course.checks import CheckFailed, check_close, check_equal, limited_output, own_implementation
 
 
 def test_check_equal_shows_yours_expected_and_first_difference():
@@ -78,7 +78,7 @@ def test_check_close_reports_nan_where_it_is():
     import pytest
     import torch
 
-    from kvlab.checks import check_close
+    from kvlab.course.checks import check_close
 
     yours = torch.tensor([[1.0, float("nan")], [0.0, 2.0]])
     with pytest.raises(AssertionError, match=r"Largest difference inf at index \(0, 1\)"):
@@ -167,7 +167,7 @@ def test_check_close_reads_the_values_of_a_tensor_subclass():
 
 
 def test_run_case_and_expect_raises_name_the_case():
-    from kvlab.checks import expect_raises, run_case
+    from kvlab.course.checks import expect_raises, run_case
 
     def boom(x):
         raise ZeroDivisionError("oops")
@@ -183,7 +183,7 @@ def test_run_case_and_expect_raises_name_the_case():
 
 
 def test_check_approx_takes_plain_numbers_within_tolerance():
-    from kvlab.checks import check_approx
+    from kvlab.course.checks import check_approx
 
     check_approx("share", 0.5834, 14 / 24, abs_tol=0.005)
     with pytest.raises(CheckFailed, match="Allowed difference"):

@@ -47,13 +47,13 @@ def test_compiled_kernels_pick_the_torch_path_for_cpu_pools_and_refuse_cpu_tenso
         import torch
         import kvlab.kernels as kernels
         from conftest import make_tiny_model
-        from kvlab.cache.batched_attention import BatchedPagedKVCache
+        from kvlab.cache.paged_cache import PagedKVCache
 
         assert not kernels.RUNS_IN_INTERPRETER, "TRITON_INTERPRET=0 compiles the kernels"
         model = make_tiny_model("llama")
-        assert BatchedPagedKVCache.for_model(model, 4, 8).decode_backend == "torch"
+        assert PagedKVCache.for_model(model, 4, 8, attention_backend="auto").attention_backend == "torch"
         try:
-            BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="triton")
+            PagedKVCache.for_model(model, 4, 8, attention_backend="triton")
         except ValueError as err:
             assert "runs on a CUDA device" in str(err), err
         else:

@@ -10,8 +10,8 @@ from conftest import load_release_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 release = load_release_tool()
-LOADER = ('import importlib.util as _iu; _spec = _iu.find_spec("kvlab.checks"); _checks = _iu.module_from_spec(_spec); '
-          '_spec.loader.exec_module(_checks)')
+LOADER = ('import importlib.util as _iu; _spec = _iu.find_spec("kvlab.course.checks"); '
+          '_checks = _iu.module_from_spec(_spec); _spec.loader.exec_module(_checks)')
 CHECK_NAMES = ("check_equal", "check_close", "own_implementation", "limited_output", "run_case", "expect_raises")
 
 
@@ -26,10 +26,11 @@ def test_graded_cells_load_the_checks_afresh(name):
         grade_id = cell.metadata["nbgrader"]["grade_id"]
         source = cell.source
         assert LOADER in source, (
-            f"{name}/{grade_id} must load kvlab/checks.py afresh with the standard loader line:\n  {LOADER}\n"
-            "A notebook can replace the functions of an imported kvlab.checks; it cannot change a fresh copy.")
-        assert "from kvlab.checks import" not in source and "kvlab.checks." not in source, (
-            f"{name}/{grade_id} takes a check from the imported kvlab.checks module, which a submission can change")
+            f"{name}/{grade_id} must load kvlab/course/checks.py afresh with the standard loader line:\n  {LOADER}\n"
+            "A notebook can replace the functions of an imported kvlab.course.checks; it cannot change a fresh copy.")
+        assert "from kvlab.course.checks import" not in source and "kvlab.course.checks." not in source, (
+            f"{name}/{grade_id} takes a check from the imported kvlab.course.checks module, which a submission can "
+            "change")
         loaded_at = source.index(LOADER)
         for check in CHECK_NAMES:
             used = [m.start() for m in re.finditer(rf"(?<![\w.]){check}\(", source)]

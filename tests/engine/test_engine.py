@@ -30,7 +30,7 @@ def assert_pool_empty(engine):
         f"{engine.num_blocks - manager.num_free_blocks} blocks still held after every request finished")
     assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks), "a finished engine holds no references"
     if engine.swap_space is not None:
-        assert engine.swap_space.num_free_blocks == engine.swap_space.num_blocks, "CPU blocks leaked"
+        assert engine.scheduler.num_free_cpu_blocks == engine.scheduler.num_cpu_blocks, "CPU blocks leaked"
 
 
 def record_schedules(engine) -> list[list[tuple[str, int, int]]]:
@@ -40,8 +40,9 @@ def record_schedules(engine) -> list[list[tuple[str, int, int]]]:
 
     def recorded():
         out = schedule()
-        # Before the forward pass, num_computed_tokens is where this step's new tokens start.
-        steps.append([(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        # Before the update, num_computed_tokens is where this step's new tokens start.
+        requests = engine.requests
+        steps.append([(rid, requests[rid].num_computed_tokens, n) for rid, n in out.num_scheduled_tokens.items()])
         return out
 
     engine.scheduler.schedule = recorded
@@ -109,9 +110,9 @@ def test_one_forward_pass_per_step_mixes_prefill_and_decode(embedded):
     engine.add_request("a", PROMPTS[0], greedy(10))
     engine.step()
     engine.add_request("b", PROMPTS[2], greedy(10))
-    before = engine.runner.num_forward_passes
+    before = engine.model_runner.num_forward_passes
     engine.step()
-    assert engine.runner.num_forward_passes == before + 1, "the whole mixed batch is one forward pass"
+    assert engine.model_runner.num_forward_passes == before + 1, "the whole mixed batch is one forward pass"
     last = engine.history[-1]
     assert last.tokens["a"] == 1 and last.tokens["b"] == len(tokenizer(PROMPTS[2])["input_ids"])
     assert last.prefill == ("b",), "a decodes while b prefills, in the same pass"
@@ -357,11 +358,11 @@ def test_recompute_counts_only_lost_tokens(embedded):
 
 
 def test_default_pool_is_capped(embedded, monkeypatch):
-    import kvlab.engine.llm_engine
+    import kvlab.engine.kv_cache_utils
 
     model, tokenizer = embedded
     engine = LLMEngine(model, tokenizer, max_num_seqs=4)
     assert engine.num_blocks == 4 * 256 // 16, "four full contexts of the small model fit under the cap"
-    monkeypatch.setattr(kvlab.engine.llm_engine, "DEFAULT_POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(kvlab.engine.kv_cache_utils, "DEFAULT_POOL_BYTES", 1 << 20)
     big = LLMEngine(model, tokenizer, max_num_seqs=1000)
     assert big.num_blocks * big.block_bytes <= 1 << 20 and big.num_blocks == 16

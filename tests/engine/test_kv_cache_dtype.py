@@ -138,10 +138,10 @@ def test_int8_beam_search_builds_an_int8_cache_and_copies_scales(embedded, monke
 TINY_PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 15, 16, 23, 42, 1, 6]]
 
 
-def _tiny_run(model, kv_cache_dtype, decode_backend):
+def _tiny_run(model, kv_cache_dtype, attention_backend):
     """Three greedy requests of 8 tokens on a pool of 7 blocks of 4: one swap preemption on the way."""
     engine = LLMEngine(model, None, block_size=4, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=16,
-                       preemption_mode="swap", decode_backend=decode_backend, kv_cache_dtype=kv_cache_dtype)
+                       preemption_mode="swap", attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
     for i, prompt in enumerate(TINY_PROMPTS):
         engine.add_request(i, prompt, greedy(8))
     done = {}
@@ -163,7 +163,7 @@ def test_the_triton_kernel_decodes_8_bit_pools_like_the_torch_path(kv_cache_dtyp
     model = make_tiny_model("llama").to("cpu" if kvlab.kernels.RUNS_IN_INTERPRETER else "cuda")
     torch_tokens, _ = _tiny_run(model, kv_cache_dtype, "torch")
     triton_tokens, engine = _tiny_run(model, kv_cache_dtype, "triton")
-    assert engine.cache.decode_backend == "triton" and engine.cache.k_pools[0].element_size() == 1
+    assert engine.cache.attention_backend == "triton" and engine.cache.k_pools[0].element_size() == 1
     assert triton_tokens == torch_tokens
     if kv_cache_dtype == "int8":
         assert triton_tokens == [reference_generate(model, p, 8) for p in TINY_PROMPTS]

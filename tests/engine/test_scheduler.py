@@ -3,17 +3,16 @@
 Greedy outputs do not depend on the order in which requests are scheduled, so the end-to-end tests
 in test_engine.py cannot see a scheduler that preempts the wrong request or puts it back in the
 wrong place. These tests drive Scheduler on a pool of a few blocks of 4 tokens, with no model:
-`step` plays the engine's part after each schedule (the scheduled tokens now have K/V, and a
-request whose prompt is done gets one output token). Prefix caching is off unless a test says
-otherwise, and every prompt has its own tokens, so no two requests share a block.
+`step` plays the model runner's part between schedule() and update_from_output() (a request whose
+new tokens reach its end samples token 0). Prefix caching is off unless a test says otherwise, and
+every prompt has its own tokens, so no two requests share a block.
 """
 
 import itertools
 
 import kvlab.engine.scheduler as scheduler_module
-from kvlab.cache.paged_cache import PagedKVCache
-from kvlab.cache.swap import SwapSpace
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.engine.outputs import ModelRunnerOutput
 from kvlab.engine.request import Request, RequestStatus
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler, choose_preemption_victims, next_chunk_size, split_token_budget
@@ -25,30 +24,36 @@ _fresh_tokens = itertools.count(1)
 def make_scheduler(num_blocks, max_num_batched_tokens=64, max_num_seqs=8, preemption_mode="recompute",
                    num_cpu_blocks=8, enable_prefix_caching=False):
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-    swap_space = None
-    if preemption_mode == "swap":  # one layer, one KV head of dimension 2: the copies are real but tiny
-        swap_space = SwapSpace(PagedKVCache(1, num_blocks, BLOCK_SIZE, 1, 2), num_cpu_blocks)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, preemption_mode,
+                     num_cpu_blocks if preemption_mode == "swap" else 0)
 
 
 def add_request(sched, request_id, prompt_len):
     """Queue a request whose prompt_len prompt tokens appear in no other prompt."""
     prompt = [next(_fresh_tokens) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-    request = Request(request_id, prompt, params, arrival=len(sched.waiting), eos_token_id=None)
-    sched.add(request)
+    request = Request(request_id, prompt, params, arrival=len(sched.waiting))
+    sched.add_request(request)
     return request
 
 
+def runner_output(sched, out) -> ModelRunnerOutput:
+    """What a model runner would return, without a model: token 0 for every request whose new tokens reach its end."""
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[0] if sched.requests[rid].num_computed_tokens + n >= sched.requests[rid].num_tokens else []
+               for rid, n in out.num_scheduled_tokens.items()]
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled)
+
+
 def step(sched):
-    """One engine step without a model: schedule, then the scheduled tokens are computed; a finished prompt samples."""
+    """One engine step without a model: schedule, the runner's part, then the scheduler's update."""
     out = sched.schedule()
-    for s in out.scheduled:
-        request = s.request
-        request.num_computed_tokens += s.num_new_tokens
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(0)
+    sched.update_from_output(out, runner_output(sched, out))
     return out
+
+
+def finish(sched, request):
+    sched.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
 
 
 def ids(queue):
@@ -56,7 +61,7 @@ def ids(queue):
 
 
 def tokens(out):
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    return dict(out.num_scheduled_tokens)
 
 
 # ----- the pure rules -----
@@ -144,8 +149,8 @@ def test_running_requests_first_then_waiting_ones_in_queue_order():
     assert tokens(out) == {"a": 1, "b": 2, "c": 3}, (
         "the running requests come first in admission order (a's decode, the rest of b's prompt), "
         "then c is admitted with what is left of the budget")
-    assert [s.request.request_id for s in out.scheduled] == ["a", "b", "c"], "the batch is in admission order"
-    assert out.num_batched_tokens == 6, "the whole budget is used, never more"
+    assert list(out.num_scheduled_tokens) == ["a", "b", "c"], "the batch is in admission order"
+    assert out.total_num_scheduled_tokens == 6, "the whole budget is used, never more"
 
 
 def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
@@ -155,7 +160,7 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
     while not request.output_token_ids:
         start = request.num_computed_tokens
         out = step(sched)
-        assert out.num_batched_tokens <= 5, "no step computes more than max_num_batched_tokens"
+        assert out.total_num_scheduled_tokens <= 5, "no step computes more than max_num_batched_tokens"
         chunks.append((start, start + tokens(out)["long"]))
     assert chunks == [(0, 5), (5, 10), (10, 13)], (
         "a 13-token prompt under a budget of 5 runs as chunks of 5, 5 and 3 in three steps, each after the last")
@@ -168,7 +173,7 @@ def test_max_num_seqs_caps_the_running_requests():
         add_request(sched, rid, 2)
     out = step(sched)
     assert out.admitted == ["a", "b"] and ids(sched.waiting) == ["c"], "at most max_num_seqs requests run at once"
-    sched.finish(sched.running[0])
+    finish(sched, sched.running[0])
     assert step(sched).admitted == ["c"], "a finished request's seat goes to the next waiting one"
 
 
@@ -201,7 +206,7 @@ def three_requests_filling_the_pool(preemption_mode="recompute", num_cpu_blocks=
 def test_preemption_takes_the_most_recently_admitted_request():
     sched = three_requests_filling_the_pool()
     out = step(sched)
-    assert out.preempted == ["c", "b"], (
+    assert out.preempted_req_ids == ["c", "b"], (
         "a's decode needs a block: c, the last admitted, is preempted; then b needs one and is itself the last")
     assert ids(sched.running) == ["a"] and tokens(out) == {"a": 1}, (
         "the first admitted request keeps running: it has done the most work")
@@ -231,7 +236,7 @@ def test_swap_preemption_puts_the_victims_at_the_front_of_the_swapped_queue():
         assert request.status is RequestStatus.SWAPPED and request.num_computed_tokens == 4, (
             "a swapped request keeps its computed tokens: its K/V wait in the CPU pool")
         assert len(sched.cpu_blocks[request.request_id]) == 1
-    assert sched.swap_space.num_free_blocks == 8 - 2
+    assert sched.num_free_cpu_blocks == 8 - 2
 
 
 def test_a_step_that_preempted_admits_nobody():
@@ -243,7 +248,7 @@ def test_a_step_that_preempted_admits_nobody():
     assert tokens(step(sched)) == {"a": 1, "c": 3}
     out = step(sched)
     # c's next chunk needs a third block: c is preempted, which frees one block; 3 tokens of budget are left.
-    assert out.preempted == ["c"] and tokens(out) == {"a": 1}
+    assert out.preempted_req_ids == ["c"] and tokens(out) == {"a": 1}
     assert out.admitted == [] and ids(sched.waiting) == ["c"], (
         "a step that had to preempt admits nobody, even a request whose first chunk would fit the block just "
         "freed: the pool has no room to spare")
@@ -259,7 +264,7 @@ def test_waiting_requests_wait_while_a_swapped_request_waits():
     assert out.swapped_in == [], "b needs 2 blocks back (its block and its next token's), only 1 is free"
     assert out.admitted == [] and ids(sched.waiting) == ["w0"], (
         "w0 needs only 1 block, but a waiting request is never admitted while a swapped one still waits")
-    sched.finish(sched.running[0])    # a leaves: 3 blocks free
+    finish(sched, sched.running[0])    # a leaves: 3 blocks free
     out = step(sched)
     assert out.swapped_in == ["b"] and out.admitted == ["b"], (
         "swapped requests come back first, from the front of the swapped queue")
@@ -270,7 +275,7 @@ def test_waiting_requests_wait_while_a_swapped_request_waits():
 def test_a_full_cpu_pool_falls_back_to_recompute():
     sched = three_requests_filling_the_pool("swap", num_cpu_blocks=1)
     out = step(sched)
-    assert out.preempted == ["c", "b"] and out.swapped_out == ["c"], "c takes the only CPU block"
+    assert out.preempted_req_ids == ["c", "b"] and out.swapped_out == ["c"], "c takes the only CPU block"
     assert ids(sched.swapped) == ["c"] and ids(sched.waiting) == ["b"], (
         "with the CPU pool full, b is preempted by recompute instead: to the front of the waiting queue")
     assert sched.waiting[0].status is RequestStatus.PREEMPTED and sched.waiting[0].num_computed_tokens == 0
@@ -281,14 +286,14 @@ def test_a_victim_sharing_a_block_frees_only_the_blocks_nobody_else_holds():
     add_request(sched, "a", BLOCK_SIZE)                        # 1 block
     b = add_request(sched, "b", 2 * BLOCK_SIZE)                # 2 blocks, both full: cached as they fill
     c = Request("c", b.prompt_token_ids[:BLOCK_SIZE] + [next(_fresh_tokens) for _ in range(BLOCK_SIZE)],
-                b.params, arrival=2, eos_token_id=None)        # b's first block, then its own
-    sched.add(c)
+                b.params, arrival=2)        # b's first block, then its own
+    sched.add_request(c)
     step(sched)
     tables = sched.kv.block_tables
     assert tables["c"][0] == tables["b"][0] and sched.kv.num_free_blocks == 0, "set-up: c shares b's first block"
     out = step(sched)
     # Every decode needs a new block. Preempting c returns only its own block (b still holds the shared one),
     # which a takes; b then needs one more and is itself the last running request.
-    assert out.preempted == ["c", "b"] and ids(sched.running) == ["a"], (
+    assert out.preempted_req_ids == ["c", "b"] and ids(sched.running) == ["a"], (
         "a victim that shares a block with an earlier request returns only its own blocks to the pool, "
         "so the preemption goes on until the blocks really are there")

@@ -11,7 +11,7 @@ import kvlab.kernels  # (on a CPU-only machine this switches Triton to its inter
 from conftest import make_tiny_model
 from kvlab import SamplingParams
 from kvlab.baselines.transformers_generate import reference_generate
-from kvlab.cache.batched_attention import BatchedPagedKVCache
+from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.engine.llm_engine import LLMEngine
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 15, 16, 23, 42, 1, 6]]
@@ -28,8 +28,8 @@ def tiny_model(**kwargs):
 def test_engine_with_the_triton_decode_kernel_equals_generate(num_kv_heads):
     model = tiny_model(num_kv_heads=num_kv_heads)
     engine = LLMEngine(model, None, block_size=8, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16,
-                       decode_backend="triton")
-    assert engine.cache.decode_backend == "triton"
+                       attention_backend="triton")
+    assert engine.cache.attention_backend == "triton"
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(i, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     done = {}
@@ -45,17 +45,21 @@ def test_engine_with_the_triton_decode_kernel_equals_generate(num_kv_heads):
 def test_backend_choice_and_bad_backend(monkeypatch):
     """auto follows the pools' device: the kernel for CUDA pools, batched torch for CPU ones."""
     model = make_tiny_model("llama")
-    assert BatchedPagedKVCache.for_model(model, 4, 8).decode_backend == "torch", "CPU pools decode with torch"
+
+    def backend(m, name="auto"):
+        return PagedKVCache.for_model(m, 4, 8, attention_backend=name).attention_backend
+
+    assert backend(model) == "torch", "CPU pools decode with torch"
     if torch.cuda.is_available():
-        assert BatchedPagedKVCache.for_model(model.to("cuda"), 4, 8).decode_backend == "triton", \
+        assert backend(model.to("cuda")) == "triton", \
             "CUDA pools decode with the kernel"
         model = model.to("cpu")
-    assert BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="torch").decode_backend == "torch"
-    with pytest.raises(ValueError, match="decode_backend must be one of auto, torch, triton"):
-        BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="cuda")
+    assert backend(model, "torch") == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, torch, triton"):
+        PagedKVCache.for_model(model, 4, 8, attention_backend="cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="runs on a CUDA device"):
-        BatchedPagedKVCache.for_model(model, 4, 8, decode_backend="triton")
+        PagedKVCache.for_model(model, 4, 8, attention_backend="triton")
 
 
 @pytest.mark.parametrize("preemption_mode, kv_cache_dtype", [("recompute", "auto"), ("swap", "auto"),
@@ -63,21 +67,21 @@ def test_backend_choice_and_bad_backend(monkeypatch):
 def test_every_step_runs_through_the_unified_kernel(preemption_mode, kv_cache_dtype, monkeypatch):
     """Chunked prefills, prefix hits, decodes and preemption: every attention call is one unified launch."""
     launches = []
-    real = kvlab.kernels.launch_paged_attention
+    real = kvlab.kernels.launch_unified_attention
 
     def spy(shape, *args, **kwargs):
-        launches.append((shape["num_tokens"], shape["num_seqs"]))
+        launches.append((shape.num_tokens, shape.num_seqs))
         return real(shape, *args, **kwargs)
 
-    monkeypatch.setattr(kvlab.kernels, "launch_paged_attention", spy)
+    monkeypatch.setattr(kvlab.kernels, "launch_unified_attention", spy)
     model = tiny_model(num_kv_heads=2)
     shared = [7, 3, 9, 1, 12, 5, 8, 2]               # two blocks of 4 that later prompts hit
     prompts = [shared + [4, 6, 11], shared + [13], [10, 14, 3, 3, 5], shared + [4, 6, 11, 2]]
     engine = LLMEngine(model, None, block_size=4, num_blocks=9, max_num_seqs=3, max_num_batched_tokens=7,
                        enable_prefix_caching=True, preemption_mode=preemption_mode,
-                       num_cpu_blocks=16 if preemption_mode == "swap" else None, decode_backend="triton",
+                       num_cpu_blocks=16 if preemption_mode == "swap" else None, attention_backend="triton",
                        kv_cache_dtype=kv_cache_dtype)
-    reference = LLMEngine(model, None, block_size=4, num_blocks=64, decode_backend="torch",
+    reference = LLMEngine(model, None, block_size=4, num_blocks=64, attention_backend="torch",
                           kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     outputs = {}
@@ -101,9 +105,9 @@ def test_every_step_runs_through_the_unified_kernel(preemption_mode, kv_cache_dt
 
 def test_decode_steps_split_the_context_when_the_grid_is_small(monkeypatch):
     """With splits allowed from 4 tokens on, decode-only steps go through split-KV and still equal generate."""
-    import kvlab.kernels.paged_decode as pa
+    import kvlab.kernels.split_kv as split_kv
 
-    monkeypatch.setattr(pa, "MIN_TOKENS_PER_SPLIT", 4)
+    monkeypatch.setattr(split_kv, "MIN_TOKENS_PER_SPLIT", 4)
     split_launches = []
     real = kvlab.kernels.launch_paged_decode_split_kv
 
@@ -113,7 +117,7 @@ def test_decode_steps_split_the_context_when_the_grid_is_small(monkeypatch):
 
     monkeypatch.setattr(kvlab.kernels, "launch_paged_decode_split_kv", spy)
     model = tiny_model(num_kv_heads=2)
-    engine = LLMEngine(model, None, block_size=4, num_blocks=32, decode_backend="triton")
+    engine = LLMEngine(model, None, block_size=4, num_blocks=32, attention_backend="triton")
     prompt = [5, 9, 13, 2, 7, 11, 3, 8, 1]
     engine.add_request(0, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = None

@@ -19,7 +19,7 @@ def test_engine_on_gpu_equals_generate():
 
     model, tokenizer = load_model(device="cuda")
     llm = LLM(model, tokenizer, block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
-    assert llm.llm_engine.cache.decode_backend == "triton", "on a GPU the engine decodes with the Triton kernel"
+    assert llm.llm_engine.cache.attention_backend == "triton", "on a GPU the engine decodes with the Triton kernel"
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ref = reference_generate(model, tokenizer(prompt)["input_ids"], 48)
@@ -34,11 +34,11 @@ def test_int8_engine_on_gpu_reads_8_bit_pools_through_the_kernel_and_equals_gene
     llm = LLM(model, tokenizer, block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
               kv_cache_dtype="int8")
     cache = llm.llm_engine.cache
-    assert cache.decode_backend == "triton" and cache.k_pools[0].dtype == torch.int8
+    assert cache.attention_backend == "triton" and cache.k_pools[0].dtype == torch.int8
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     torch_path = LLM(model, tokenizer, block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                     kv_cache_dtype="int8", decode_backend="torch").generate(PROMPTS, params)
+                     kv_cache_dtype="int8", attention_backend="torch").generate(PROMPTS, params)
     for prompt, out, same_storage in zip(PROMPTS, outs, torch_path):
         assert out.outputs[0].token_ids == same_storage.outputs[0].token_ids, \
             f"{prompt!r}: the kernel and the torch path read the same int8 pools differently"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvlab.kernels.paged_decode as pa
-import kvlab.kernels.unified_attention as unified
+import kvlab.kernels.split_kv as split_kv
+import kvlab.kernels.triton_unified_attention as unified
 from kvlab.cache.paged_cache import paged_attention as chapter3_paged_attention
 from kvlab.kernels import (
     allocate_split_workspace,
@@ -27,9 +27,10 @@ from kvlab.kernels import (
     paged_attention_decode_split_kv,
     validate_paged_decode_inputs,
 )
+from kvlab.kernels.interpreter import RUNS_IN_INTERPRETER
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICE = torch.device("cpu" if pa.RUNS_IN_INTERPRETER else "cuda")  # where the kernels can run in this process
+DEVICE = torch.device("cpu" if RUNS_IN_INTERPRETER else "cuda")  # where the kernels can run in this process
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # abs and rel; bf16 keeps 8 bits
 KERNELS = {"one-pass": paged_attention_decode, "split-KV": paged_attention_decode_split_kv}
 
@@ -73,7 +74,7 @@ def test_the_kernels_run_in_the_interpreter_here():
     """Without CUDA, importing kvlab.kernels switched Triton to its interpreter before defining the kernels."""
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the kernels are compiled for the GPU in this process")
-    assert os.environ.get("TRITON_INTERPRET") == "1" and pa.RUNS_IN_INTERPRETER, (
+    assert os.environ.get("TRITON_INTERPRET") == "1" and RUNS_IN_INTERPRETER, (
         "on a CPU-only machine kvlab.kernels must set TRITON_INTERPRET=1 before its @triton.jit decorators run")
 
 
@@ -181,7 +182,7 @@ def test_reduce_never_reads_the_scratch_of_empty_splits():
     """Splits past a short sequence's end write nothing; NaN left in their scratch must not reach the output."""
     batch = make_batch([1, 200], num_heads=2, num_kv_heads=1)
     shape = validate_paged_decode_inputs(*batch)
-    tokens_per_split, num_splits = pa.split_plan(shape.max_seq_len, 4)
+    tokens_per_split, num_splits = split_kv.split_plan(shape.max_seq_len, 4)
     assert (tokens_per_split, num_splits) == (64, 4), "200 positions in 4 splits of whole 64-position tiles"
     workspace = allocate_split_workspace(2, 2, num_splits, 64, DEVICE)
     for part in workspace:
@@ -198,7 +199,7 @@ def test_choose_num_splits_grows_with_context_and_shrinks_with_batch():
     assert choose_num_splits(1, 32, 32768, num_sms=132) > choose_num_splits(8, 32, 32768, num_sms=132) > 1
     assert choose_num_splits(64, 32, 32768, num_sms=132) == 1, "64 x 32 programs already fill 132 SMs"
     assert choose_num_splits(1, 32, 100, num_sms=132) == 1, "no split is shorter than MIN_TOKENS_PER_SPLIT"
-    assert choose_num_splits(1, 1, 10**6, num_sms=132) == pa.MAX_SPLITS
+    assert choose_num_splits(1, 1, 10**6, num_sms=132) == split_kv.MAX_SPLITS
     batch = make_batch([300, 20], num_heads=2, num_kv_heads=1)
     check("split-KV with num_splits=None", paged_attention_decode_split_kv(*batch),
           paged_attention_decode_reference(*batch))
@@ -285,9 +286,9 @@ def test_bad_inputs_raise_before_launch_and_change_nothing(case, kernel_name, mo
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    monkeypatch.setattr(pa, "_split_reduce_kernel", NoLaunch())
-    for name in ("_unified_attention_kernel", "_paged_decode_split_kernel"):
-        monkeypatch.setattr(unified, name, NoLaunch())
+    monkeypatch.setattr(unified, "unified_attention_kernel", NoLaunch())
+    for name in ("paged_decode_split_kernel", "split_reduce_kernel"):
+        monkeypatch.setattr(split_kv, name, NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args)
     for name, old, new in zip(("q", "k_cache", "v_cache", "block_tables", "seq_lens"), before, args):

@@ -1,6 +1,6 @@
 """Chapter 7 on Chapter 10's pools: the Triton paged decode kernels reading int8 / fp8 K and V with their scales.
 
-The pools come from kvlab.cache.quantized_cache.QuantizedPagedKVCache (random K/V written through its `write`, a
+The pools come from an 8-bit kvlab.cache.paged_cache.PagedKVCache (random K/V written through its `write`, a
 prefill then one decode token, so block scales grow and requantise as in serving), and the kernels get
 its k_pools[layer], v_pools[layer], k_scales[layer] and v_scales[layer] as they are. Tolerances:
 
@@ -19,9 +19,9 @@ Runs in Triton's interpreter on CPU (kvlab.kernels sets TRITON_INTERPRET=1 witho
 import pytest
 import torch
 
-import kvlab.kernels.paged_decode as pa
-import kvlab.kernels.unified_attention as unified
-from kvlab.cache.quantized_cache import QuantizedPagedKVCache, quantized_paged_attention
+import kvlab.kernels.split_kv as split_kv
+import kvlab.kernels.triton_unified_attention as unified
+from kvlab.cache.paged_cache import PagedKVCache, paged_attention
 from kvlab.kernels import (
     launch_paged_decode,
     launch_paged_decode_split_kv,
@@ -31,9 +31,10 @@ from kvlab.kernels import (
     quantized_cache_dtypes,
     validate_paged_decode_inputs,
 )
+from kvlab.kernels.interpreter import RUNS_IN_INTERPRETER
 from kvlab.quantization import quantize
 
-DEVICE = torch.device("cpu" if pa.RUNS_IN_INTERPRETER else "cuda")
+DEVICE = torch.device("cpu" if RUNS_IN_INTERPRETER else "cuda")
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 KV_DTYPES = ["int8", pytest.param("fp8", marks=pytest.mark.skipif(
     not HAS_FP8, reason=f"torch {torch.__version__} has no torch.float8_e4m3fn (it arrived in torch 2.1)"))]
@@ -44,14 +45,14 @@ LAYER = 1  # of a 2-layer cache: the kernels read whichever layer's pools and sc
 
 
 class Batch:
-    """A decode batch on a QuantizedPagedKVCache, and the same K/V unquantised in fp32 pools of the same layout."""
+    """A decode batch on an 8-bit PagedKVCache, and the same K/V unquantised in fp32 pools of the same layout."""
 
     def __init__(self, kv_cache_dtype, seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                  q_dtype=torch.float32, spare_blocks=3, seed=0):
         gen = torch.Generator().manual_seed(seed)
         blocks_needed = [-(-n // block_size) for n in seq_lens]
         num_blocks = sum(blocks_needed) + spare_blocks
-        self.cache = QuantizedPagedKVCache(2, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,
+        self.cache = PagedKVCache(2, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype=kv_cache_dtype,
                                            device=DEVICE)
         self.k_orig = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
         self.v_orig = torch.zeros_like(self.k_orig)
@@ -164,16 +165,16 @@ def test_split_kv_equals_the_one_pass_kernel(num_splits):
     check("one-pass vs the reference", one_pass, paged_attention_decode_reference(*batch.args, **batch.scales), 1e-5)
 
 
-def test_matches_chapter_8s_quantized_attention():
-    """The kernel agrees with QuantizedPagedKVCache's own path (gather, dequantise, causal attention) for one query."""
+def test_matches_the_caches_quantized_attention():
+    """The kernel agrees with the 8-bit cache's own path (gather, dequantise, causal attention) for one query."""
     batch = Batch("int8", [30, 17], num_heads=4, num_kv_heads=2)
     out = paged_attention_decode(*batch.args, **batch.scales)
     cache = batch.cache
     for i, n in enumerate(batch.lens.tolist()):
         table = batch.tables[i, : -(-n // 16)].tolist()
-        chapter10 = quantized_paged_attention(batch.q[i][:, None], cache.k_pools[LAYER], cache.v_pools[LAYER],
-                                             cache.k_scales[LAYER], cache.v_scales[LAYER], table, n, 64 ** -0.5)[0]
-        check(f"kernel vs Chapter 10's quantized_paged_attention, sequence {i}", out[i], chapter10, 1e-5)
+        chapter10 = paged_attention(batch.q[i][:, None], cache.k_pools[LAYER], cache.v_pools[LAYER], table, n,
+                                    64 ** -0.5, cache.k_scales[LAYER], cache.v_scales[LAYER])[0]
+        check(f"kernel vs the cache's paged_attention on 8-bit pools, sequence {i}", out[i], chapter10, 1e-5)
 
 
 def test_quantized_directly_with_the_caches_functions():
@@ -312,9 +313,9 @@ def test_bad_quantized_inputs_raise_before_launch(case, kernel_name, monkeypatch
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: a kernel was launched; validation must reject the inputs first")
 
-    monkeypatch.setattr(pa, "_split_reduce_kernel", NoLaunch())
-    for name in ("_unified_attention_kernel", "_paged_decode_split_kernel"):
-        monkeypatch.setattr(unified, name, NoLaunch())
+    monkeypatch.setattr(unified, "unified_attention_kernel", NoLaunch())
+    for name in ("paged_decode_split_kernel", "split_reduce_kernel"):
+        monkeypatch.setattr(split_kv, name, NoLaunch())
     with pytest.raises(ValueError, match=message):
         KERNELS[kernel_name](*args, **scales)
     after = [_bytes(t) for t in args + list(scales.values()) if t.device.type != "meta"]

@@ -8,19 +8,19 @@ hold garbage, so a kernel that reads anything it must not returns NaN.
 import pytest
 import torch
 
-import kvlab.kernels.paged_decode as pa
-import kvlab.kernels.unified_attention as unified
+import kvlab.kernels.triton_unified_attention as unified
 from kvlab.kernels import (
-    paged_attention,
     paged_attention_decode,
     paged_attention_decode_split_kv,
-    paged_attention_reference,
+    unified_attention,
+    unified_attention_reference,
     validate_paged_attention_inputs,
 )
+from kvlab.kernels.interpreter import RUNS_IN_INTERPRETER
 from kvlab.kernels.load_counter import count_requested_bytes, kv_bytes_held
 from kvlab.quantization import quantize, storage_format
 
-DEVICE = torch.device("cpu" if pa.RUNS_IN_INTERPRETER else "cuda")
+DEVICE = torch.device("cpu" if RUNS_IN_INTERPRETER else "cuda")
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
@@ -75,13 +75,13 @@ STEPS = {
 def test_a_ragged_step_equals_the_reference(name):
     q_lens, seq_lens, kwargs = STEPS[name]
     step = make_step(q_lens, seq_lens, **kwargs)
-    check(name, paged_attention(*step), paged_attention_reference(*step), TOL[torch.float32])
+    check(name, unified_attention(*step), unified_attention_reference(*step), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_pools(dtype):
     step = make_step([5, 1, 2], [9, 23, 2], dtype=dtype, num_heads=8)
-    check(str(dtype), paged_attention(*step), paged_attention_reference(*step), TOL[dtype])
+    check(str(dtype), unified_attention(*step), unified_attention_reference(*step), TOL[dtype])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -92,21 +92,21 @@ def test_8_bit_pools_with_their_scales(kv_cache_dtype):
     # One scale per (block, KV head): its largest magnitude maps to the format's largest value.
     k_scale, v_scale = (t.abs().amax(dim=(1, 3)).clamp_min(1e-6) / qmax for t in (k, v))
     k8, v8 = quantize(k, k_scale[:, None, :], kv_cache_dtype), quantize(v, v_scale[:, None, :], kv_cache_dtype)
-    out = paged_attention(q, k8, v8, tables, lens, starts, k_scale=k_scale, v_scale=v_scale)
-    check(kv_cache_dtype, out, paged_attention_reference(q, k8, v8, tables, lens, starts, k_scale=k_scale,
+    out = unified_attention(q, k8, v8, tables, lens, starts, k_scale=k_scale, v_scale=v_scale)
+    check(kv_cache_dtype, out, unified_attention_reference(q, k8, v8, tables, lens, starts, k_scale=k_scale,
                                                          v_scale=v_scale), 1e-4)
 
 
 def test_decode_is_the_one_new_token_case_and_agrees_with_split_kv():
     q, k, v, tables, lens, starts = make_step([1, 1, 1, 1], [1, 17, 64, 300], num_heads=8)
     one_pass = paged_attention_decode(q, k, v, tables, lens)
-    check("decode wrapper vs unified", one_pass, paged_attention(q, k, v, tables, lens, starts), 1e-6)
+    check("decode wrapper vs unified", one_pass, unified_attention(q, k, v, tables, lens, starts), 1e-6)
     for splits in (1, 2, 5):
         check(f"split-KV x{splits} vs one pass", paged_attention_decode_split_kv(q, k, v, tables, lens,
                                                                                 num_splits=splits), one_pass, 1e-5)
 
 
-@pytest.mark.skipif(not pa.RUNS_IN_INTERPRETER, reason="the byte counter reads the interpreter's loads")
+@pytest.mark.skipif(not RUNS_IN_INTERPRETER, reason="the byte counter reads the interpreter's loads")
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(16, 2), (8, 2), (8, 1)], ids=["GQA 8:1", "GQA 4:1", "MQA"])
 def test_a_decode_step_requests_each_cached_byte_once(num_heads, num_kv_heads):
     """One program per (sequence, KV head) serves the whole query-head group: K and V are requested once,
@@ -124,12 +124,12 @@ def test_a_decode_step_requests_each_cached_byte_once(num_heads, num_kv_heads):
                 "these sequences; one program per (sequence, KV head) should read each byte once")
 
 
-@pytest.mark.skipif(not pa.RUNS_IN_INTERPRETER, reason="the byte counter reads the interpreter's loads")
+@pytest.mark.skipif(not RUNS_IN_INTERPRETER, reason="the byte counter reads the interpreter's loads")
 def test_causal_blocks_load_only_the_keys_their_tokens_see():
     """A 32-token prefill in blocks of 16 tokens (MHA): the first block stops at position 15, so 48 of 64 rows."""
     q, k, v, tables, lens, starts = make_step([32], [32], num_heads=2, num_kv_heads=2)
     with count_requested_bytes(k_cache=k) as reads:
-        paged_attention(q, k, v, tables, lens, starts)
+        unified_attention(q, k, v, tables, lens, starts)
     per_position = 2 * 64 * 4    # KV heads x head_dim x fp32 bytes
     assert reads["k_cache"] == (16 + 32) * per_position
 
@@ -160,12 +160,12 @@ def test_bad_inputs_raise_before_launch(case, monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError(f"{case}: the kernel was launched; validation must reject the inputs first")
 
-    monkeypatch.setattr(unified, "_unified_attention_kernel", NoLaunch())
+    monkeypatch.setattr(unified, "unified_attention_kernel", NoLaunch())
     with pytest.raises(ValueError, match=message):
-        paged_attention(*args)
+        unified_attention(*args)
 
 
 def test_validation_returns_what_the_launcher_needs():
     shape = validate_paged_attention_inputs(*make_step([3, 1], [5, 16], num_heads=8))
-    assert shape == {"num_tokens": 4, "num_seqs": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
-                     "block_size": 16, "scale": 64 ** -0.5, "quantized": False}
+    assert (shape.num_tokens, shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
+            shape.max_seq_len, shape.scale, shape.quantized) == (4, 2, 8, 2, 64, 16, 16, 64 ** -0.5, False)

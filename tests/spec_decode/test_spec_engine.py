@@ -187,7 +187,7 @@ def test_metrics_use_vllm_names_and_add_up(embedded):
     assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] <= metrics["vllm:spec_decode_num_draft_tokens"]
     # Every target pass of a decoding request emits accepted drafts plus one: the forward-pass count shows it.
     emitted = metrics["vllm:generation_tokens"]
-    assert llm.llm_engine.runner.num_forward_passes < max(MAX_TOKENS) + 5 < emitted
+    assert llm.llm_engine.model_runner.num_forward_passes < max(MAX_TOKENS) + 5 < emitted
 
 
 def test_bad_speculative_configs_leave_nothing_half_built(embedded, tiny_model_dirs):

@@ -4,8 +4,10 @@ only in how they allocate."""
 import pytest
 
 from kvlab import load_model
-from kvlab.baselines.online_replay import normalized_latency, poisson_arrivals, replay, replay_static
 from kvlab.baselines.static_batching import StaticBatchingEngine
+from kvlab.benchmarks.datasets import poisson_arrivals
+from kvlab.benchmarks.latency import normalized_latency
+from kvlab.benchmarks.replay import replay, replay_static
 from kvlab.engine.llm_engine import LLMEngine
 
 

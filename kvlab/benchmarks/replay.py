@@ -6,7 +6,7 @@ the clock jumps to the next arrival. So every latency below is made of measured 
 sweep over request rates takes as long as the computing it needs, not as long as the arrivals span:
 
     timings = replay(make_engine, prompts, output_lens, rate=4.0, seed=0)
-    normalized_latency(timings)     # mean over requests of end-to-end latency / output tokens (s/token)
+    normalized_latency(timings)     # kvlab.benchmarks.latency: mean of end-to-end latency / output tokens
 
 A step's time is the CPU time this process spent in it (time.process_time; run with one torch thread),
 so other work on the machine does not inflate it; clock="wall" measures wall time instead, which a
@@ -16,10 +16,12 @@ Static batching (FasterTransformer-like) is replayed batch by batch: a batch sta
 is free, takes up to batch_size waiting requests, and all of them finish when its longest one does.
 """
 
-import random
-import statistics
 import time
 from dataclasses import dataclass, field
+
+from kvlab.benchmarks.datasets import poisson_arrivals
+from kvlab.benchmarks.latency import LatencyMetrics, latency_metrics
+from kvlab.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -33,30 +35,21 @@ class RequestTiming:
     finish: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each step that gave it tokens ended
 
+    def metrics(self) -> LatencyMetrics:
+        """TTFT, TPOT, ITL and E2E by the one definition (kvlab.benchmarks.latency)."""
+        return latency_metrics(self.arrival, self.token_times, self.output_len)
+
     @property
     def e2e(self) -> float:
         return self.finish - self.arrival
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival
+        return self.metrics().ttft
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
-    """Arrival times (s) of num requests at `rate` per second; all at 0 for an infinite rate."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 requests per second, got {rate}")
-    rng = random.Random(seed)
-    times, t = [], 0.0
-    for _ in range(num):
-        times.append(t)
-        if rate != float("inf"):
-            t += rng.expovariate(rate)
-    return times
+        return list(self.metrics().itl)
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -71,8 +64,6 @@ def _timer(clock: str):
 def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6,
            clock: str = "cpu") -> list[RequestTiming]:
     """Replay the requests at `rate` on a fresh engine from make_engine(); greedy, each to its output length."""
-    from kvlab.engine.sampling_params import SamplingParams
-
     timer = _timer(clock)
     engine = make_engine()
     arrivals = poisson_arrivals(len(prompts), rate, seed)
@@ -107,8 +98,6 @@ def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_st
 def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: int, seed: int = 0,
                   clock: str = "cpu") -> list[RequestTiming]:
     """Static batching at `rate`: batches of up to batch_size waiting requests, each run to its longest member."""
-    from kvlab.engine.sampling_params import SamplingParams
-
     timer = _timer(clock)
     arrivals = poisson_arrivals(len(prompts), rate, seed)
     timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
@@ -126,16 +115,3 @@ def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: 
             timings[i].token_times = [now]
         nxt = batch[-1] + 1
     return timings
-
-
-def normalized_latency(timings: list[RequestTiming]) -> float:
-    """The paper's metric: the mean over requests of end-to-end latency divided by output length (s/token)."""
-    return statistics.fmean(t.e2e / t.output_len for t in timings)
-
-
-def percentile(values, q: float) -> float:
-    """The q-quantile (0..1) by nearest rank; values need not be sorted."""
-    values = sorted(values)
-    if not values:
-        raise ValueError("no values")
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]

@@ -1,6 +1,6 @@
 """Chapter 7's checks: test batches full of NaN traps, a launch that records what a kernel reads, per-sequence verdicts.
 
-The test cells load this file afresh (as they load kvlab/checks.py), and this module loads the checks
+The test cells load this file afresh (as they load kvlab/course/checks.py), and this module loads the checks
 and the reference it compares with afresh too, so nothing a notebook redefines takes part in grading.
 """
 
@@ -22,7 +22,7 @@ def _fresh(name: str):
     return module
 
 
-_checks = _fresh("kvlab.checks")
+_checks = _fresh("kvlab.course.checks")
 _reference = _fresh("kvlab.kernels.reference")
 _load_counter = _fresh("kvlab.kernels.load_counter")
 CheckFailed, check_close, limited_output = _checks.CheckFailed, _checks.check_close, _checks.limited_output
@@ -165,17 +165,17 @@ def own_kernel(kernel):
     from triton.runtime.jit import JITFunction
 
     import kvlab.kernels
-    from kvlab.kernels import paged_decode, unified_attention
+    from kvlab.kernels import split_kv, triton_unified_attention
 
     if not isinstance(kernel, (JITFunction, InterpretedFunction)):
         raise CheckFailed(f"{kernel!r} is not a @triton.jit kernel: keep the decorator and the signature")
-    # kvlab's device functions and kernels too: a notebook kernel could call _attend_tiles inside its body.
-    device_code = [unified_attention._attend_tiles, unified_attention._unified_attention_kernel,
-                   unified_attention._paged_decode_split_kernel, paged_decode._split_reduce_kernel]
+    # kvlab's device functions and kernels too: a notebook kernel could call attend_tiles inside its body.
+    device_code = [triton_unified_attention.attend_tiles, triton_unified_attention.unified_attention_kernel,
+                   split_kv.paged_decode_split_kernel, split_kv.split_reduce_kernel]
     _checks.own_implementation(kernel.fn, kvlab.kernels.paged_attention_decode,
                                kvlab.kernels.paged_attention_decode_split_kv,
-                               kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.paged_attention,
-                               kvlab.kernels.paged_attention_reference,
+                               kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.unified_attention,
+                               kvlab.kernels.unified_attention_reference,
                                *device_code, *(f.fn for f in device_code))
 
 
@@ -334,7 +334,7 @@ def launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start
 
     shape = validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     num_tokens, num_heads, head_dim = q.shape
-    queries_per_kv = num_heads // shape["num_kv_heads"]
+    queries_per_kv = num_heads // shape.num_kv_heads
     block_q, block_m = step_rows(queries_per_kv)
     spare = 2 * block_m + block_q
     q_rows = torch.full((num_tokens + spare, num_heads, head_dim), float("nan"), dtype=q.dtype, device=q.device)
@@ -342,10 +342,10 @@ def launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start
     out_rows = torch.full_like(q_rows, float("nan"))
     starts = query_start_loc.tolist()
     max_q_len = max([b - a for a, b in zip(starts, starts[1:])] + [0])
-    if shape["num_seqs"] == 0 or max_q_len == 0:
+    if shape.num_seqs == 0 or max_q_len == 0:
         return out_rows[:num_tokens], out_rows[num_tokens:]
     block_tables, seq_lens, query_start_loc = (t.contiguous() for t in (block_tables, seq_lens, query_start_loc))
-    grid = (shape["num_seqs"], shape["num_kv_heads"], triton.cdiv(max_q_len, block_q))
+    grid = (shape.num_seqs, shape.num_kv_heads, triton.cdiv(max_q_len, block_q))
     untrack_reads = _track_reads(dict(q=q_rows, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                       seq_lens=seq_lens, query_start_loc=query_start_loc, out=out_rows)
                                  ) if INTERPRETED else None
@@ -353,11 +353,11 @@ def launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start
     try:
         with np.errstate(all="ignore"):
             kernel[grid](
-                out_rows, q_rows, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape["scale"],
+                out_rows, q_rows, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape.scale,
                 q_rows.stride(0), q_rows.stride(1), out_rows.stride(0), out_rows.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=shape["block_size"], TILE=tile)
+                HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=shape.block_size, TILE=tile)
     except Exception as err:
         _raise_stub(kernel, err)
         raise
@@ -409,7 +409,7 @@ def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             raise CheckFailed(f"{case}: the output of {where(token)}, head {head} was stored "
                               f"{int(writes[token, head].max())} times: a second row wrote it, "
                               f"with another row's result.\n  Hint: {ROW_MASK_HINT}")
-    expected = _reference.paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+    expected = _reference.unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                     scale=scale)
     yours, expected = yours.float().cpu(), expected.float().cpu()
     not_finite = (~yours.isfinite()).flatten(1).any(1)

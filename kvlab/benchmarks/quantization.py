@@ -1,18 +1,12 @@
-"""Chapter 10's quantized paged KV store: the same pools and runner hook as PagedKVCache, in 8 bits.
+"""Chapter 10's measurements of 8-bit KV caches: how many tokens a byte budget holds, and what rounding costs.
 
-Each layer keeps a K pool and a V pool of blocks [num_blocks, block_size, Hkv, D], stored as int8
-or as fp8 (torch.float8_e4m3fn), plus a float32 scale per (block, KV head) for K and one for V:
+    compare_capacity(config, 1 << 30, "int8", "float16")     # tokens in 1 GiB: ~2x in int8 against fp16
+    logit_and_perplexity_change(model, tokenizer, text, "int8")
 
-    stored = quantize(x / scale)        x ~ stored * scale (dequantised after the gather)
-
-The format itself (scale choice, requantisation as a block fills, static scales) is
-kvlab.cache.kv_storage.QuantizedKVStorage; any PagedKVCache takes it with kv_cache_dtype="int8" or
-"fp8", and any decode backend reads it. QuantizedPagedKVCache is that cache with Chapter 10's
-defaults: 8-bit storage and the torch reference attention of Chapter 3 (gather the sequence's
-blocks through its block table, dequantise, then causal attention).
-
-Below it: how many tokens a byte budget holds in each format, and what quantisation costs the
-model's logits and perplexity.
+The format itself (a float32 scale per block and KV head, requantisation as a block fills, static
+scales) is kvlab.cache.kv_storage; any PagedKVCache stores it with kv_cache_dtype="int8" or "fp8". Here
+it is only measured: capacity from the one block_bytes formula, and the model's logits and perplexity
+teacher-forced through an unquantised and a quantised paged cache on the same text.
 """
 
 import math
@@ -20,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.attention import causal_attention
-from kvlab.cache.kv_storage import block_bytes, gather_dequantized
+from kvlab.cache.kv_storage import block_bytes
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 from kvlab.core.paging import num_blocks_needed
@@ -29,57 +22,8 @@ from kvlab.model.config import context_length
 from kvlab.quantization import storage_format
 from kvlab.validation import check_positive_int
 
-__all__ = [
-    "CapacityComparison", "QuantizationEffect", "QuantizedPagedKVCache", "compare_capacity",
-    "logit_and_perplexity_change", "quantized_paged_attention", "tokens_that_fit",
-]
-
-def quantized_paged_attention(q, k_pool, v_pool, k_scales, v_scales, block_table, seq_len, scaling):
-    """Reference paged attention over quantised pools: gather, dequantise, causal attention.
-
-    q: [H, T_new, D] for the last T_new positions of a sequence of seq_len tokens. Returns [T_new, H, D].
-    """
-    k = gather_dequantized(k_pool, k_scales, block_table, seq_len, q.dtype)
-    v = gather_dequantized(v_pool, v_scales, block_table, seq_len, q.dtype)
-    return causal_attention(q, k, v, scaling)
-
-
-class QuantizedPagedKVCache(PagedKVCache):
-    """K and V pools for every layer in int8 or fp8, [num_blocks, block_size, Hkv, D], with scales [num_blocks, Hkv]."""
-
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype="int8",
-                 dtype=torch.float32, device="cpu", decode_backend: str = "reference"):
-        storage_format(kv_cache_dtype)  # only the 8-bit formats here: raises naming them otherwise
-        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device,
-                         kv_cache_dtype=kv_cache_dtype, decode_backend=decode_backend)
-
-    @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, kv_cache_dtype: str = "int8", **kwargs):
-        """Quantised pools sized for a transformers model's layers, KV heads and head dim; attention in its dtype."""
-        return super().for_model(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype, **kwargs)
-
-    @property
-    def qmax(self) -> float:
-        """The largest stored magnitude: 127 (int8) or 448 (fp8 e4m3)."""
-        return self.storage.qmax
-
-    @property
-    def static(self) -> list[bool]:
-        """Per layer, whether set_scales fixed its scales."""
-        return self.storage.static
-
-    @property
-    def num_requantized(self) -> int:
-        """(block, head) pairs whose stored values were rounded a second time as their scale grew."""
-        return self.storage.num_requantized
-
-    def set_scales(self, layer_idx: int, k_scale, v_scale) -> None:
-        """Fix layer layer_idx's scales (a number, [Hkv] or [num_blocks, Hkv]); stored values are requantised to them.
-
-        The layer then never rescales: calibrated (static) scales, as vLLM's fp8 k_scale / v_scale.
-        """
-        self.storage.set_scales(layer_idx, k_scale, v_scale)
-
+__all__ = ["CapacityComparison", "QuantizationEffect", "compare_capacity", "logit_and_perplexity_change",
+           "tokens_that_fit"]
 
 # ---------------------------------------------------------------------------------------------
 # Capacity: how many tokens a byte budget holds, unquantised or quantised (block_bytes: kvlab.cache.kv_storage).
@@ -161,7 +105,7 @@ def logit_and_perplexity_change(model, tokenizer, text: str, kv_cache_dtype: str
             break
         table = torch.randperm(num_blocks, generator=generator).tolist()
         reference = PagedKVCache.for_model(model, num_blocks, block_size)
-        quantized = QuantizedPagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype)
+        quantized = PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
         ref_logits.append(_teacher_forced_logits(model, chunk, reference, chunk_size, table)[:-1])
         quant_logits.append(_teacher_forced_logits(model, chunk, quantized, chunk_size, table)[:-1])
         targets.append(torch.tensor(chunk[1:]))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvlab.analysis.latency import knee_rate, latency_metrics, pick_token_budget
+from kvlab.benchmarks.latency import knee_rate, latency_metrics, pick_token_budget
 
 
 def test_latencies_of_one_request():

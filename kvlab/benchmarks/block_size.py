@@ -8,8 +8,8 @@ over pools whose blocks are shuffled so that no sequence's blocks sit in order:
 
     "gather"      Chapter 3's gather alone (kvlab.cache.paged_cache.gather_kv), K and V of each sequence
     "reference"   Chapter 3's paged attention, sequence by sequence: gather, then causal attention
-    "torch"       Chapter 6's batched torch decode (kvlab.cache.attention_backends.TorchBatchedBackend):
-                  the block tables are turned into one token-level slot index per step (its plan), then
+    "torch"       Chapter 6's batched torch decode (kvlab.cache.attention_backends.TorchBackend):
+                  the block tables are turned into one token-level slot index per step (its metadata), then
                   one index_select and one fused attention for the whole batch, per layer
 
 Times are per decoded token and per layer (a step's time divided by the sequences in it), the median of
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.attention_backends import TorchBatchedBackend
+from kvlab.cache.attention_backends import TorchBackend
 from kvlab.cache.kv_storage import make_kv_storage
 from kvlab.cache.paged_cache import gather_kv, paged_attention
 from kvlab.cache.ragged_batch import BatchLayout
@@ -85,10 +85,10 @@ def shuffled_batch(num_seqs: int, context_len: int, block_size: int, num_heads: 
     return ShuffledBatch(storage, tables, context_len, block_size, queries)
 
 
-def decode_step(batch: ShuffledBatch, path: str, plan: dict | None = None):
+def decode_step(batch: ShuffledBatch, path: str, metadata=None):
     """One layer's decode step of every sequence in batch along path; "gather" returns the K/V, the others [B, H, D].
 
-    plan: the torch backend's plan for this batch (built here when None), so that a timing loop can
+    metadata: the torch backend's metadata for this batch (built here when None), so that a timing loop can
     build it once per step as the engine does and reuse it.
     """
     pool_k, pool_v = batch.storage.k_pools[0], batch.storage.v_pools[0]
@@ -100,10 +100,10 @@ def decode_step(batch: ShuffledBatch, path: str, plan: dict | None = None):
         return torch.stack([paged_attention(q[:, None], pool_k, pool_v, table, batch.context_len, scaling)[0]
                             for q, table in zip(batch.queries, batch.block_tables)])
     if path == "torch":
-        backend = TorchBatchedBackend()
-        if plan is None:
-            plan = backend.plan(batch.layout(), batch.block_size, "cpu")
-        return backend.decode(batch.storage, 0, batch.queries, plan, scaling)
+        backend = TorchBackend()
+        if metadata is None:
+            metadata = backend.build_metadata(batch.layout(), batch.block_size, "cpu")
+        return backend.decode(batch.storage, 0, batch.queries, metadata, scaling)
     raise ValueError(f"path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
 
 
@@ -120,7 +120,7 @@ def time_decode_paths(block_sizes=SWEEP_BLOCK_SIZES, paths=DECODE_PATHS, num_seq
         raise ValueError(f"paths must be among {', '.join(DECODE_PATHS)} and repeats >= 1, got {paths}, {repeats}")
     batches = {b: shuffled_batch(num_seqs, context_len, b, num_heads, num_kv_heads, head_dim, seed)
                for b in block_sizes}
-    plans = {b: TorchBatchedBackend().plan(batches[b].layout(), b, "cpu") for b in block_sizes}
+    metadata = {b: TorchBackend().build_metadata(batches[b].layout(), b, "cpu") for b in block_sizes}
     samples = {p: {b: [] for b in block_sizes} for p in paths}
     previous = torch.get_num_threads()
     if threads is not None:
@@ -129,12 +129,12 @@ def time_decode_paths(block_sizes=SWEEP_BLOCK_SIZES, paths=DECODE_PATHS, num_seq
         with torch.inference_mode():
             for b in block_sizes:  # warm-up: first calls pay for allocations
                 for p in paths:
-                    decode_step(batches[b], p, plans[b])
+                    decode_step(batches[b], p, metadata[b])
             for _ in range(repeats):
                 for b in block_sizes:
                     for p in paths:
                         start = time.perf_counter()
-                        decode_step(batches[b], p, plans[b])
+                        decode_step(batches[b], p, metadata[b])
                         samples[p][b].append((time.perf_counter() - start) / num_seqs)
     finally:
         torch.set_num_threads(previous)

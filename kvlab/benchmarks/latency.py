@@ -1,4 +1,4 @@
-"""Serving latencies from a request's timestamps, as `vllm bench serve` defines them, and two decisions made with them.
+"""Serving latencies from a request's timestamps, as `vllm bench serve` defines them, and the decisions made with them.
 
     arrival ----- first token ---- token ---- token ---- ... ---- last token
             TTFT              ITL       ITL                          (E2E = last - arrival)
@@ -6,9 +6,15 @@
 TPOT (time per output token) averages the decode part: (E2E - TTFT) / (tokens - 1). ITL lists every
 gap between consecutive token arrivals; with streaming, a chunk that carries several tokens (a
 speculative step) is one arrival. `knee_rate` finds the highest request rate before latency
-shoots up; `pick_token_budget` chooses max_num_batched_tokens for a TTFT and an ITL target.
+shoots up; `pick_token_budget` chooses max_num_batched_tokens for a TTFT and an ITL target;
+`normalized_latency` is the vLLM paper's metric (Figure 12), `percentile` the p50 / p99 of a list.
+
+The same definitions serve the engine's histograms (kvlab.engine.metrics), the replay on a virtual
+clock (kvlab.benchmarks.replay), the load generator against a live server (benchmarks/bench_serve.py)
+and Chapter 9.
 """
 
+import statistics
 from dataclasses import dataclass
 
 
@@ -68,3 +74,19 @@ def pick_token_budget(measurements: dict, ttft_slo: float, itl_slo: float) -> in
     """
     ok = [(ttft, budget) for budget, (ttft, itl) in measurements.items() if ttft <= ttft_slo and itl <= itl_slo]
     return min(ok)[1] if ok else None
+
+
+def normalized_latency(timings) -> float:
+    """The paper's metric: the mean over requests of end-to-end latency divided by output length (s/token).
+
+    timings: objects with e2e (seconds) and output_len (tokens), e.g. kvlab.benchmarks.replay.RequestTiming.
+    """
+    return statistics.fmean(t.e2e / t.output_len for t in timings)
+
+
+def percentile(values, q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; values need not be sorted."""
+    values = sorted(values)
+    if not values:
+        raise ValueError("no values")
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]

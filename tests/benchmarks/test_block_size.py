@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvlab.benchmarks.block_size import DECODE_PATHS, block_table_reads, decode_step, shuffled_batch, time_decode_paths
 from kvlab.cache.attention import causal_attention
-from kvlab.cache.block_size_sweep import DECODE_PATHS, block_table_reads, decode_step, shuffled_batch, time_decode_paths
 from kvlab.cache.paged_cache import gather_kv
 
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serving_helpers import serve_embedded
+from entrypoints.serving_helpers import serve_embedded
 
 ROOT = Path(__file__).resolve().parents[2]
 served = pytest.fixture(scope="module")(serve_embedded)

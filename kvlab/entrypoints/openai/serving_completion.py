@@ -1,0 +1,38 @@
+"""POST /v1/completions (vLLM's entrypoints/openai/serving_completion.py): text or token-id prompts, one or many."""
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvlab.entrypoints.openai.protocol import CompletionRequest
+from kvlab.entrypoints.openai.serving_engine import OpenAIServing
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint of one served model."""
+
+    async def create_completion(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompt_ids, params = self.prepare(body, prompts, body.max_tokens)
+        base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
+
+        if body.stream:
+            def chunk(index, delta, reason, usage=None):
+                if usage is not None:
+                    return {**head, "choices": [], "usage": usage}
+                return {**head, "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
+
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self.stream(prompt_ids, params, base_id, chunk, include_usage),
+                                     media_type="text/event-stream")
+        finals = await self.until_disconnected(request, self.collect(prompt_ids, params, base_id))
+        n = params[0].n
+        choices = [{"index": i * n + j, "text": text, "logprobs": None, "finish_reason": reason}
+                   for i, rows in enumerate(finals) for j, (text, reason, _) in enumerate(rows)]
+        return {**head, "choices": choices, "usage": self.usage(prompt_ids, finals)}
