@@ -17,6 +17,8 @@ class ArgumentTypeError(TypeError, ValueError):
 
 def is_integer(value) -> bool:
     """Whether value is an integer and not a bool (True as a count or an id is always a bug)."""
+    if type(value) is int:  # the common case, without the slower abstract-class check below
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 

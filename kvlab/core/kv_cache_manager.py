@@ -142,7 +142,8 @@ class KVCacheManager(PooledBlockManager):
         start = self.num_tokens[request_id]
         end = start + num_new_tokens
         wanted = num_blocks_needed(end + num_lookahead_tokens, self.block_size)
-        blocks.extend(self.block_pool.get_new_blocks(max(0, wanted - len(blocks))))
+        if wanted > len(blocks):
+            blocks.extend(self.block_pool.get_new_blocks(wanted - len(blocks)))
         self.num_tokens[request_id] = end
         verified = num_new_tokens - num_draft_tokens
         if num_draft_tokens:
@@ -185,8 +186,9 @@ class KVCacheManager(PooledBlockManager):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tail[:self.block_size], self._req_extra_keys[request_id]))
             del tail[:self.block_size]
-        blocks = self.req_to_blocks[request_id]
-        self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
+        if len(hashes) > first_new:  # a decode fills a block once every block_size tokens
+            blocks = self.req_to_blocks[request_id]
+            self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
 
     def block_views(self, hit_blocks=frozenset()) -> list[dict]:
         """Every block as the block map's plain data: owners, fill, ref count, cached, hash, hit (see kvlab.widgets)."""

@@ -23,7 +23,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 class Request:

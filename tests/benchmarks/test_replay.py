@@ -57,3 +57,25 @@ def test_static_batches_return_together(embedded_model):
     timings = replay_static(engine, PROMPTS, LENS, rate=float("inf"), batch_size=4)
     finishes = [t.finish for t in timings]
     assert len(set(finishes[:4])) == 1 and finishes[4] > finishes[0], "a batch ends together, the next one after it"
+
+
+def test_a_static_batch_starts_only_when_the_previous_one_has_finished():
+    """On the virtual clock the engine is busy while a batch runs: requests that arrive meanwhile wait for it."""
+    from kvlab.benchmarks.datasets import poisson_arrivals as arrivals_of
+
+    clock = [0.0]
+
+    class OneSecondBatches:
+        """A static engine whose every batch takes exactly one second of the (fake) clock."""
+
+        def generate(self, prompts, params):
+            clock[0] += 1.0
+
+    prompts, lens = [[1, 2]] * 8, [3] * 8
+    arrivals = arrivals_of(8, 20.0, 0)
+    assert arrivals[-1] < 1.0, "set-up: every request arrives while the first batch is still running"
+    timings = replay_static(OneSecondBatches(), prompts, lens, rate=20.0, batch_size=2, clock=lambda: clock[0])
+    finishes = sorted({t.finish for t in timings})
+    assert finishes == [1.0, 2.0, 3.0, 4.0, 5.0][:len(finishes)], (
+        f"batches end at {finishes}: each starts when the one before it finished, never at an arrival in between")
+    assert all(t.finish - t.arrival >= 1.0 for t in timings), "no request finishes sooner than one batch after arriving"

@@ -94,3 +94,32 @@ def test_greedy_keeps_draft_tokens_while_they_are_the_argmax():
 def test_bad_shapes_and_tokens_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
         rejection_sample(*args)
+
+
+def test_the_residual_distribution_is_a_distribution():
+    """max(p - q, 0), renormalised: non-negative, sums to 1, zero where q already covers p."""
+    from kvlab.engine.rejection_sampler import residual_distribution
+
+    for seed in range(20):
+        p, q = random_dist(seed, 2)
+        r = residual_distribution(p, q)
+        assert abs(float(r.sum()) - 1.0) < 1e-12, f"seed {seed}: the residual sums to {float(r.sum())}, not 1"
+        assert bool((r >= 0).all()) and bool((r[q >= p] == 0).all()), "no mass where the draft already gave enough"
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert torch.equal(residual_distribution(p, p), p), "q == p never rejects: p itself is returned, summing to 1"
+
+
+def test_a_rejection_ends_the_verification_without_a_bonus_token():
+    """Deterministic: a draft token the target gives probability 0 is always rejected, and nothing follows it."""
+    target = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]],
+                          dtype=torch.float64)
+    for seed in range(50):
+        out = rejection_sample([0, 1], target, None, torch.Generator().manual_seed(seed))
+        assert len(out) == 1 and out[0] in (1, 2), (
+            f"seed {seed}: the first draft is rejected, so exactly one token (recovered from the residual) comes "
+            f"out, never a bonus; got {out}")
+    certain = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]],
+                           dtype=torch.float64)
+    assert rejection_sample([1, 2], certain, None, torch.Generator().manual_seed(0)) == [1, 2, 3], (
+        "every draft accepted: the bonus token comes from the last row")
+    assert greedy_verify([1, 4], certain) == [1, 2], "greedy: the first mismatch ends it with the target's argmax"

@@ -297,3 +297,102 @@ def test_a_victim_sharing_a_block_frees_only_the_blocks_nobody_else_holds():
     assert out.preempted_req_ids == ["c", "b"] and ids(sched.running) == ["a"], (
         "a victim that shares a block with an earlier request returns only its own blocks to the pool, "
         "so the preemption goes on until the blocks really are there")
+
+
+# ----- behaviours a planted bug once slipped past: each at the layer that owns it -----
+
+def test_a_recompute_preempted_request_reuses_the_cached_blocks_of_its_outputs():
+    """Re-admission looks up prompt *and* outputs: the block its decodes filled is still cached."""
+    sched = make_scheduler(num_blocks=3, max_num_seqs=2, enable_prefix_caching=True)
+    a = add_request(sched, "a", BLOCK_SIZE)       # one full block
+    b = add_request(sched, "b", 2)                # two prompt tokens: its outputs fill the rest of its block
+    for _ in range(3):
+        step(sched)
+    assert (a.num_tokens, b.num_tokens, sched.kv.num_free_blocks) == (7, 5, 0), "set-up: the pool is full"
+    out = step(sched)                             # b's next token needs a new block: b, the last admitted, goes
+    assert out.preempted_req_ids == ["b"] and b.status is RequestStatus.PREEMPTED and b.recompute_until == 4
+    finish(sched, a)
+    out = step(sched)
+    assert out.admitted == ["b"]
+    assert sched.kv.num_cached_tokens["b"] == BLOCK_SIZE, (
+        "b's first block holds its 2 prompt tokens and 2 outputs; cached when it filled, it must be hit on "
+        "re-admission (a lookup of the prompt alone would find nothing)")
+    assert out.num_scheduled_tokens["b"] == 5 - BLOCK_SIZE, "of its 5 tokens, only the one past the hit is recomputed"
+
+
+def test_swap_in_copies_back_only_the_blocks_that_are_no_longer_cached():
+    sched = make_scheduler(num_blocks=3, max_num_seqs=2, preemption_mode="swap", num_cpu_blocks=8,
+                           enable_prefix_caching=True)
+    a = add_request(sched, "a", BLOCK_SIZE)               # one full block
+    b = add_request(sched, "b", BLOCK_SIZE + 1)           # a full block (cached) and one more
+    step(sched)
+    out = step(sched)                                     # a needs a block: b is swapped out, both its blocks copied
+    assert out.swapped_out == ["b"] and len(out.blocks_to_swap_out) == 2
+    cpu_ids = list(sched.cpu_blocks["b"])
+    finish(sched, a)
+    out = step(sched)
+    assert out.swapped_in == ["b"]
+    assert sched.kv.num_cached_tokens["b"] == BLOCK_SIZE, "set-up: b's first block was still cached on the device"
+    table = sched.kv.get_block_ids("b")
+    assert out.blocks_to_swap_in == [(cpu_ids[1], table[1])], (
+        "the cached first block needs no copy: only the second comes back from the CPU pool, into b's new block")
+    assert sched.num_free_cpu_blocks == 8, "every CPU block of the request is free again, copied or not"
+    assert b.num_computed_tokens == BLOCK_SIZE + 1 + out.num_scheduled_tokens["b"]
+
+
+def test_lookahead_slots_stop_at_the_longest_length_so_a_request_that_fills_the_pool_runs():
+    """Without the cap, a request that exactly fills the pool asks for lookahead blocks past its end, is preempted and
+    waits forever."""
+    kv = KVCacheManager(3, BLOCK_SIZE, False)
+    sched = Scheduler(kv, 4, 64, num_lookahead_tokens=3, num_speculative_tokens=3)
+    request = Request("r", list(range(1, 9)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), 0)
+    sched.add_request(request)                 # 8 + 4 = 12 tokens = the whole pool of 3 blocks of 4
+    for _ in range(12):
+        if not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        assert not out.preempted_req_ids, "the request fits the pool; lookahead past its end must not evict it"
+    assert request.status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 4
+
+
+def test_update_stops_exactly_at_max_tokens_even_with_tokens_to_spare():
+    """A verification can emit more tokens than are left: the request keeps exactly max_tokens of them."""
+    sched = make_scheduler(num_blocks=8)
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), 0)
+    sched.add_request(request)
+    out = sched.schedule()
+    results = sched.update_from_output(out, ModelRunnerOutput(["r"], [[7, 8, 9, 10, 11]]))
+    assert request.output_token_ids == [7, 8, 9] and request.status is RequestStatus.FINISHED_LENGTH
+    assert results[0].new_token_ids == [7, 8, 9] and results[0].finished
+    assert sched.kv.num_free_blocks == 8, "a finished request gives its blocks back in the same update"
+    one = Request("s", [1], SamplingParams(max_tokens=1), 1)
+    one.append_output(4)
+    assert one.status is RequestStatus.FINISHED_LENGTH and one.num_tokens == 2, "max_tokens=1: one token, no more"
+
+
+def test_speculative_counters_count_only_steps_that_verified_drafts():
+    sched = Scheduler(KVCacheManager(8, BLOCK_SIZE, False), 4, 64, num_speculative_tokens=3)
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 0)
+    sched.add_request(request)
+    out = sched.schedule()    # the prefill: no drafts to verify
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[5]], spec_token_ids=[[]]))
+    out = sched.schedule()    # a decode that proposed nothing
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[6]], spec_token_ids=[[6, 7]]))
+    stats = sched.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (0, 0, 0), (
+        "steps without drafts verify nothing and must not count as drafts")
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [6, 7]}
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[6, 9]]))   # the first draft accepted, then 9
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 2, 1)
+    assert stats.num_accepted_tokens_per_pos == [1, 0, 0]
+    assert request.num_computed_tokens == 5 + 1, "the rejected draft's position does not count as computed"
+
+
+def test_the_waiting_count_includes_preempted_and_swapped_requests():
+    sched = three_requests_filling_the_pool("swap", num_cpu_blocks=1, waiting=1)
+    step(sched)   # c swapped out, b preempted by recompute (the CPU pool is full)
+    assert len(sched.swapped) == 1 and any(r.status is RequestStatus.PREEMPTED for r in sched.waiting)
+    running, waiting = sched.get_request_counts()
+    assert running == len(sched.running) == 1
+    assert waiting == 3, "the never-run w0, the recompute-preempted b and the swapped-out c all wait"

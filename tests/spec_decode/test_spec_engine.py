@@ -42,7 +42,7 @@ def assert_pool_empty(engine):
         f"{engine.num_blocks - manager.num_free_blocks} blocks still held after every request finished"
     assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
     if engine.swap_space is not None:
-        assert engine.swap_space.num_free_blocks == engine.swap_space.num_blocks, "CPU blocks leaked"
+        assert engine.scheduler.num_free_cpu_blocks == engine.scheduler.num_cpu_blocks, "CPU blocks leaked"
 
 
 ENGINE_CASES = {
@@ -358,12 +358,12 @@ def test_speculated_positions_follow_the_target_distribution(method):
 
 def test_a_sampler_that_keeps_drafts_would_be_caught(monkeypatch):
     """The test has power: an engine that accepts every draft token gives counts far from the target's law."""
-    import kvlab.engine.llm_engine as llm_engine
+    import kvlab.engine.model_runner as model_runner
 
     def keep_drafts(draft_token_ids, target_probs, draft_probs=None, generator=None):
         bonus = int(torch.multinomial(target_probs[-1].double(), 1, generator=generator))
         return [int(t) for t in draft_token_ids] + [bonus]
 
-    monkeypatch.setattr(llm_engine, "rejection_sample", keep_drafts)
+    monkeypatch.setattr(model_runner, "rejection_sample", keep_drafts)
     results, _ = speculated_p_values("draft_model")
     assert min(p for _, p, _, _ in results) < 1e-6, "the chi-square test cannot tell a broken sampler apart"
