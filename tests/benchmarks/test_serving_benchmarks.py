@@ -34,3 +34,21 @@ def test_chunked_prefill_reports_each_budget(tmp_path):
     assert [r["max_num_batched_tokens"] for r in rows] == [16, 64]
     assert all(r["ttft_long_p99_ms"] >= r["ttft_long_mean_ms"] > 0 for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_serving_compares_systems_on_the_same_tokens(tmp_path, capsys):
+    """benchmarks/serving.py: each system in its own process, alternated runs, the same greedy tokens everywhere;
+    --baseline-tree measures another checkout (here this one) as a further system."""
+    out = tmp_path / "serving.json"
+    report = load("serving").main(["--model", "draft", "--workload", "mixed", "--requests", "6", "--repeats", "2",
+                                   "--systems", "kvlab continuous", "kvlab static", "--baseline-tree", str(ROOT),
+                                   "--json", str(out)])
+    baseline = f"kvlab continuous @ {ROOT}"
+    assert set(report) == {"kvlab continuous", "kvlab static", baseline}
+    assert all(len(r["run_seconds"]) == 2 and r["tokens"] == report["kvlab continuous"]["tokens"]
+               for r in report.values()), "every system runs the same requests once per round"
+    assert report["kvlab static"]["outputs"] == report["kvlab continuous"]["outputs"] == report[baseline]["outputs"], (
+        "greedy decoding gives the same tokens whichever engine batches the requests")
+    printed = capsys.readouterr().out
+    assert "6/6" in printed and "median of 2 alternated runs" in printed
+    assert set(json.loads(out.read_text())) == set(report)
