@@ -14,19 +14,30 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
   kernels/    the Triton kernels: unified paged attention for a whole ragged step (decode is its one-token
               case), split-KV decode, a torch reference, the byte counter, ahead-of-time compilation (Ch 7)
   cache/      K/V tensors and the attention that reads them: attention, naive_cache (Ch 1),
-              ragged_batch (one forward pass over many sequences), paged_cache = kv_storage (the
-              storage format: model dtype, int8, fp8) x attention_backends (per sequence, batched
-              torch, Triton) (Ch 3, 6, 8), batched_attention (Ch 6), quantized_cache (Ch 8), swap (Ch 6)
+              ragged_batch (one forward pass over many sequences), kv_storage (the storage format: model
+              dtype, int8, fp8), attention_backends (AttentionBackend and its typed per-step metadata:
+              reference, torch, triton), paged_cache (PagedKVCache = a storage x a backend; Ch 3, 6, 8),
+              swap (the CPU swap space; Ch 6)
   decoding/   the chapters' own loops: generate (Ch 1), paged_generate (Ch 3), prefix_generate (Ch 4),
               beam_search, parallel_sampling (Ch 5)
-  engine/     the serving engine (Ch 6): sampling_params, request, scheduler (its rules as pure
-              functions), sampler, model_runner, stats (StepRecord, EngineStats), llm_engine
-              (LLMEngine), llm (LLM)
+  spec_decode/ speculative decoding's proposers (vLLM's v1/spec_decode): config, ngram_proposer,
+              draft_model, metrics (Ch 8)
+  engine/     the serving engine (Ch 6), in vLLM V1's parts: config (EngineConfig and its Model/Cache/Scheduler
+              parts), kv_cache_utils (pool sizing), sampling_params, request, input_processor, scheduler
+              (its rules as pure functions; owns request state), scheduler_output (what the scheduler hands the
+              runner), model_runner (owns the tensors; samples and verifies drafts), outputs (what the runner
+              hands back), sampler, rejection_sampler, output_processor (detokenizing, stop strings, n > 1),
+              stats and metrics, llm_engine (LLMEngine.step: schedule, execute, update), llm (LLM), async_llm
   baselines/  what kvlab is measured against: transformers_generate (the oracles), static_batching
+  benchmarks/ how kvlab measures (vLLM's vllm/benchmarks): latency definitions, datasets and Poisson
+              arrivals, the online replay, step timing, the block-size sweep, 8-bit capacity and perplexity
+  entrypoints/ kvlab serve (Ch 9): the OpenAI-compatible server (openai/: protocol, serving_completion,
+              serving_chat, api_server), the CLI, the Prometheus export, a background server for notebooks
   widgets/    the block map and the timeline; they draw plain data and nothing imports them but notebooks
+  course/     the notebooks' checks (checks, kernel_checks), loaded afresh by every test cell
 
 At the top: paths, validation (the argument checks every layer shares), quantization (the 8-bit KV
-formats in plain torch; Ch 8), checks (the notebooks' checks).
+formats in plain torch; Ch 8), serve (the `kvlab serve` entry point).
 """
 
 __version__ = "0.1.0"

@@ -185,7 +185,7 @@ def _kv_dtype_name(config, kv_cache_dtype, dtype) -> str:
     hint = ""
     if name == "int8":
         hint = (" (vLLM spells its int8 KV cache 'int8_per_token_head'; kvlab's own engine takes "
-                "kv_cache_dtype='int8', see kvlab.cache.quantized_cache)")
+                "kv_cache_dtype='int8', see kvlab.cache.kv_storage)")
     raise ValueError(
         f"unsupported kv_cache_dtype {kv_cache_dtype!r} for vLLM's block arithmetic; use 'auto', "
         f"{', '.join(map(repr, VLLM_FP8_NAMES))} or a float dtype such as 'float16'{hint}"

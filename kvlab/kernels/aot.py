@@ -47,7 +47,7 @@ from . import triton_unified_attention as ua
 
 # Triton's names for the element types of q, the caches and the output.
 DTYPES = ("fp32", "fp16", "bf16")
-# Quantized pools, by kvlab.cache.quantized_cache's kv_cache_dtype name: Triton's element type for a pointer to them.
+# Quantized pools, by kvlab.cache.kv_storage's kv_cache_dtype name: Triton's element type for a pointer to them.
 KV_DTYPES = {"int8": "i8", "fp8": "fp8e4nv"}
 
 

@@ -40,7 +40,7 @@ class PagedAttentionShape:
 
 def quantized_cache_dtypes() -> tuple[torch.dtype, ...]:
     """Pool dtypes read with k_scale / v_scale: int8, and torch.float8_e4m3fn where this torch has it (2.1+)."""
-    # Looked up at call time, like kvlab.cache.quantized_cache does, so a torch without float8 is told so clearly.
+    # Looked up at call time, like kvlab.quantization does, so a torch without float8 is told so clearly.
     fp8 = getattr(torch, "float8_e4m3fn", None)
     return (torch.int8,) if fp8 is None else (torch.int8, fp8)
 
@@ -71,7 +71,7 @@ def _check_kv_scales(k_cache, k_scale, v_scale, num_blocks: int, num_kv_heads: i
     if missing:
         raise ValueError(f"the caches are {cache_dtype}, so k_scale and v_scale are required ({' and '.join(missing)} "
                          f"missing): float32 [num_blocks, num_kv_heads] = [{num_blocks}, {num_kv_heads}], real value = "
-                         f"stored * scale (QuantizedPagedKVCache keeps them in k_scales[layer] and v_scales[layer])")
+                         f"stored * scale (an 8-bit PagedKVCache keeps them in k_scales[layer] and v_scales[layer])")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [num_blocks, num_kv_heads] of float32; "
