@@ -37,7 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {"embedded": ROOT / "assets" / "model", "draft": ROOT / "assets" / "draft_model"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# serving.py's models, workloads and kvlab-continuous run, so the profile is of exactly that benchmark.
+from serving import BATCH, BLOCK_SIZE, MAX_SEQS, MODELS, REQUESTS, run_kvlab, workload  # noqa: E402
+
 PARTS = ("model forward", "torch ops", "attention", "model runner", "scheduler and KV", "engine bookkeeping", "other")
 
 
@@ -65,16 +68,14 @@ def profile(model_name: str, work_file: str, top: int) -> dict:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from kvlab import LLM, SamplingParams, load_model
+    from kvlab import load_model
 
     model, tokenizer = load_model(MODELS[model_name])
     work = json.loads(Path(work_file).read_text())
     prompts, lengths = work["prompts"], work["lengths"]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
 
     def run():
-        llm = LLM(model, tokenizer, block_size=16, num_blocks=256, max_num_seqs=64, max_num_batched_tokens=256)
-        return llm.generate(prompts, params)
+        return run_kvlab(model, tokenizer, prompts, lengths, BATCH, BATCH * (256 // BLOCK_SIZE), True, MAX_SEQS)
 
     run()  # warm-up
     start = time.perf_counter()
@@ -124,11 +125,10 @@ def main(argv=None):
         return None
     sys.path.insert(0, str(ROOT))
     from kvlab import load_model
-    from kvlab.benchmarks.datasets import chat_workload, mixed_workload
 
     # The workload is made here, by this checkout, so that every tree profiles the same requests.
     _, tokenizer = load_model(MODELS[args.model])
-    prompts, lengths = (chat_workload if args.workload == "chat" else mixed_workload)(64, tokenizer, 240)
+    prompts, lengths = workload(args.workload, REQUESTS, tokenizer)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work_file = Path(tmp) / "work.json"

@@ -52,3 +52,12 @@ def test_serving_compares_systems_on_the_same_tokens(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "6/6" in printed and "median of 2 alternated runs" in printed
     assert set(json.loads(out.read_text())) == set(report)
+
+
+def test_profile_step_accounts_every_part(capsys):
+    """benchmarks/profile_step.py profiles serving.py's kvlab run in a child process and splits its time by part."""
+    (result,) = load("profile_step").main(["--model", "draft", "--workload", "mixed", "--top", "3"])
+    assert set(result["parts"]) == set(load("profile_step").PARTS) and sum(result["parts"].values()) > 0
+    assert result["parts"]["scheduler and KV"] > 0 and result["parts"]["torch ops"] > 0, (
+        "the engine's own bookkeeping and torch's operators both show up in a real run")
+    assert len(result["top"]) == 3 and "under cProfile" in capsys.readouterr().out
