@@ -2,6 +2,7 @@
 
 import contextlib
 import dis
+import functools
 import io
 import operator
 import sys
@@ -129,11 +130,17 @@ def check_close(name: str, yours, expected, atol: float = 1e-5, rtol: float = 1e
 
 
 def run_case(case: str, fn, *args, **kwargs):
-    """fn(*args, **kwargs), with an exception of yours reported together with the case that caused it."""
+    """fn(*args, **kwargs), with an exception of yours reported together with the case that caused it.
+
+    While fn runs, the references named to `own_implementation` in this cell refuse to run.
+    """
     try:
-        return fn(*args, **kwargs)
+        with refusing():
+            return fn(*args, **kwargs)
     except CheckFailed:
         raise
+    except ReferenceRefused as err:
+        raise CheckFailed(f"{case}: {err}") from None
     except Exception as err:
         raise CheckFailed(f"{case}: your code raised {type(err).__name__}: {err}") from None
 
@@ -149,6 +156,108 @@ def expect_raises(case: str, error: type[BaseException], fn, *args, **kwargs) ->
     except Exception as err:
         raise CheckFailed(f"{case}: expected {error.__name__}, your code raised {type(err).__name__}: {err}") from None
     raise CheckFailed(f"{case}: expected {error.__name__}, but nothing was raised")
+
+
+# --- kvlab's references refuse to run while a learner's function is under test -----------------
+#
+# Reading a function's names finds a reference kept in a global, but not one kept in a partial, a
+# list, a dict or an instance attribute. So, while a learner's function runs in a check, every
+# reference of the exercise has its code swapped for code that raises: however the reference is
+# reached, calling it fails. The swap lasts only for the call (a `finally` restores it).
+
+_RECORDED: list = []  # the references that own_implementation was given in this cell
+
+
+class ReferenceRefused(BaseException):
+    """Raised when kvlab's reference runs inside a learner's function under test.
+
+    A BaseException, so that a learner's `except Exception` cannot swallow it and hand back a
+    fallback answer computed some other way.
+    """
+
+
+def _refusal_message(name: str) -> str:
+    return (f"your code ran kvlab's reference implementation {name}, which refuses to run while your "
+            "function is being checked. Write the exercise yourself: a submission that uses the reference "
+            "earns no points.")
+
+
+def _refusing_code(fn: types.FunctionType) -> types.CodeType | None:
+    """A code object that raises ReferenceRefused, with fn's free variables so it fits fn's closure."""
+    code, free = fn.__code__, fn.__code__.co_freevars
+    label = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', code.co_name)}"
+    lines = ["def _factory():", *(f"    {name} = None" for name in free),
+             "    def refused(*args, **kwargs):"]
+    if free:
+        lines.append("        (" + ", ".join(free) + ",)")
+    lines += ["        raise '__refused__'", "    return refused"]
+    namespace: dict = {}
+    exec("\n".join(lines), {}, namespace)  # noqa: S102 - our own generated code, no input in it
+    made = namespace["_factory"]().__code__
+    if made.co_freevars != free:
+        return None
+    # The raised error is a constant of the code: the swapped code runs with fn's module globals.
+    error = ReferenceRefused(_refusal_message(label))
+    consts = tuple(error if c == "__refused__" else c for c in made.co_consts)
+    return made.replace(co_name=code.co_name, co_qualname=code.co_qualname, co_consts=consts)
+
+
+def _guarded_targets(reference) -> list:
+    """The plain functions and Triton kernels whose running means `reference` ran."""
+    if isinstance(reference, functools.partial):
+        return _guarded_targets(reference.func)
+    if isinstance(reference, types.MethodType):
+        return _guarded_targets(reference.__func__)
+    if isinstance(reference, (staticmethod, classmethod)):
+        return _guarded_targets(reference.__func__)
+    if isinstance(reference, property):
+        return [t for f in (reference.fget, reference.fset, reference.fdel) if f for t in _guarded_targets(f)]
+    if isinstance(reference, types.FunctionType):
+        return [reference]
+    if isinstance(reference, type):
+        found = []
+        for value in vars(reference).values():
+            found += _guarded_targets(value)
+        return found
+    if callable(getattr(reference, "run", None)) and isinstance(getattr(reference, "fn", None), types.FunctionType):
+        return [reference]  # a @triton.jit kernel: its launches go through .run
+    return []
+
+
+@contextlib.contextmanager
+def refusing(*references):
+    """Within the block, calling any of references (default: those recorded by own_implementation) raises."""
+    targets, seen = [], set()
+    for reference in references or _RECORDED:
+        for target in _guarded_targets(reference):
+            if id(target) not in seen:
+                seen.add(id(target))
+                targets.append(target)
+    undo = []
+    try:
+        for target in targets:
+            if isinstance(target, types.FunctionType):
+                code = _refusing_code(target)
+                if code is None:
+                    continue
+                undo.append((target, "__code__", target.__code__, True))
+                target.__code__ = code
+            else:
+                label = getattr(target.fn, "__qualname__", repr(target))
+                had = "run" in vars(target)
+                undo.append((target, "run", vars(target).get("run"), had))
+                target.run = functools.partial(_refuse_call, label)
+        yield
+    finally:
+        for target, attr, value, had in reversed(undo):
+            if had:
+                setattr(target, attr, value)
+            else:
+                delattr(target, attr)
+
+
+def _refuse_call(label, *args, **kwargs):
+    raise ReferenceRefused(_refusal_message(label))
 
 
 def _referenced_globals(code: types.CodeType) -> set[str]:
@@ -200,6 +309,7 @@ def own_implementation(obj, *references) -> None:
     references: kvlab's reference functions or classes for this exercise. The functions and classes
     of the notebook that `obj` calls are read too, and so are their default arguments and closures.
     """
+    _RECORDED[:] = references
     name = getattr(obj, "__name__", repr(obj))
     module = getattr(obj, "__module__", "") or ""
     if any(obj is ref for ref in references) or _from_kvlab(obj):
