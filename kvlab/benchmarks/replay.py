@@ -8,9 +8,10 @@ sweep over request rates takes as long as the computing it needs, not as long as
     timings = replay(make_engine, prompts, output_lens, rate=4.0, seed=0)
     normalized_latency(timings)     # kvlab.benchmarks.latency: mean of end-to-end latency / output tokens
 
-A step's time is the CPU time this process spent in it (time.process_time; run with one torch thread),
-so other work on the machine does not inflate it; clock="wall" measures wall time instead, which a
-GPU run needs (the CPU waits for the device).
+A step's time is the CPU time this process spent in it (time.process_time), so other work on the machine
+does not inflate it. It is the CPU time of all the process's threads together: run with one torch thread
+(torch.set_num_threads(1), OMP_NUM_THREADS=1), or a step on a machine with more cores counts more time.
+clock="wall" measures wall time instead, which a GPU run needs (the CPU waits for the device).
 
 Static batching (FasterTransformer-like) is replayed batch by batch: a batch starts when the engine
 is free, takes up to batch_size waiting requests, and all of them finish when its longest one does.
@@ -64,12 +65,21 @@ def _timer(clock):
     return CLOCKS[clock]
 
 
-def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6,
-           clock: str = "cpu") -> list[RequestTiming]:
-    """Replay the requests at `rate` on a fresh engine from make_engine(); greedy, each to its output length."""
+def replay_arrivals(engine, prompts, output_lens, arrivals, clock="cpu", max_steps: int = 10**6,
+                    spans: list | None = None) -> list[RequestTiming]:
+    """Serve prompts[i] arriving at arrivals[i] (seconds, sorted) on engine, on the virtual clock; greedy, each to
+    output_lens[i] tokens. spans: a list to which each step's (start, end) on the virtual clock is appended.
+
+    Request i is added, with id str(i), once the clock has reached its arrival (an arrival equal to the clock
+    joins the next step); a step advances the clock by its measured duration; every request that got tokens in
+    a step gets that step's end time; with nothing unfinished the clock jumps to the next arrival.
+    """
+    if not len(prompts) == len(output_lens) == len(arrivals):
+        raise ValueError(f"prompts, output_lens and arrivals must pair up, got {len(prompts)}, {len(output_lens)} "
+                         f"and {len(arrivals)}")
+    if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrivals must be sorted")
     timer = _timer(clock)
-    engine = make_engine()
-    arrivals = poisson_arrivals(len(prompts), rate, seed)
     timings = [RequestTiming(a, len(p), n) for a, p, n in zip(arrivals, prompts, output_lens)]
     now, nxt, done = 0.0, 0, 0
     for _ in range(max_steps):
@@ -84,7 +94,9 @@ def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_st
             continue
         start = timer()
         outputs = engine.step()
-        now += timer() - start
+        began, now = now, now + (timer() - start)
+        if spans is not None:
+            spans.append((began, now))
         for out in outputs:
             t = timings[int(out.request_id)]
             t.token_times.append(now)
@@ -96,6 +108,13 @@ def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_st
     if done != len(prompts):
         raise RuntimeError(f"only {done} of {len(prompts)} requests finished within {max_steps} steps")
     return timings
+
+
+def replay(make_engine, prompts, output_lens, rate: float, seed: int = 0, max_steps: int = 10**6,
+           clock: str = "cpu", spans: list | None = None) -> list[RequestTiming]:
+    """Replay the requests arriving as a Poisson process at `rate` (seeded) on a fresh engine from make_engine()."""
+    return replay_arrivals(make_engine(), prompts, output_lens, poisson_arrivals(len(prompts), rate, seed), clock,
+                           max_steps, spans)
 
 
 def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: int, seed: int = 0,

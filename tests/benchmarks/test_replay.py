@@ -7,7 +7,7 @@ from kvlab import load_model
 from kvlab.baselines.static_batching import StaticBatchingEngine
 from kvlab.benchmarks.datasets import poisson_arrivals
 from kvlab.benchmarks.latency import normalized_latency
-from kvlab.benchmarks.replay import replay, replay_static
+from kvlab.benchmarks.replay import replay, replay_arrivals, replay_static
 from kvlab.engine.llm_engine import LLMEngine
 
 
@@ -79,3 +79,50 @@ def test_a_static_batch_starts_only_when_the_previous_one_has_finished():
     assert finishes == [1.0, 2.0, 3.0, 4.0, 5.0][:len(finishes)], (
         f"batches end at {finishes}: each starts when the one before it finished, never at an arrival in between")
     assert all(t.finish - t.arrival >= 1.0 for t in timings), "no request finishes sooner than one batch after arriving"
+
+
+class TickClock:
+    """A fake clock: every reading is `tick` seconds after the one before, so every step lasts exactly one tick."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now = tick, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_replay_arrivals_on_a_fake_clock(embedded_model):
+    """Each step lasts one tick (0.25 s): the arrival times decide who joins which step, exactly."""
+    model, tokenizer = embedded_model
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=40)
+    prompts, lens = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [3, 2, 1, 2]
+    # Request 1 arrives exactly when the first step ends (0.25): it joins the second step. Request 2 arrives
+    # during a step and waits for its end. Request 3 arrives after everything finished: the clock jumps to it.
+    arrivals = [0.0, 0.25, 0.3, 5.0]
+    spans = []
+    timings = replay_arrivals(engine, prompts, lens, arrivals, clock=TickClock(0.25), spans=spans)
+    assert [t.token_times for t in timings] == [[0.25, 0.5, 0.75], [0.5, 0.75], [0.75], [5.25, 5.5]], (
+        "an arrival equal to the clock joins the next step; one during a step waits for the step's end; "
+        "an idle engine jumps to the next arrival instead of counting the idle time")
+    assert spans == [(0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (5.0, 5.25), (5.25, 5.5)]
+    assert len(spans) == len(engine.history), "one span per engine step"
+    assert [t.finish for t in timings] == [0.75, 0.75, 0.75, 5.5] and timings[2].ttft == 0.45
+    assert arrivals == [0.0, 0.25, 0.3, 5.0] and lens == [3, 2, 1, 2], "the inputs stay as they were"
+
+
+def test_replay_arrivals_refuses_inputs_that_do_not_pair_up(embedded_model):
+    model, tokenizer = embedded_model
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=40)
+    with pytest.raises(ValueError, match="pair up"):
+        replay_arrivals(engine, [[1, 2]], [3, 4], [0.0])
+    with pytest.raises(ValueError, match="sorted"):
+        replay_arrivals(engine, [[1], [2]], [1, 1], [1.0, 0.5])
+
+
+def test_replay_is_replay_arrivals_at_poisson_times(embedded_model):
+    model, tokenizer = embedded_model
+    make = lambda: LLMEngine(model, tokenizer, block_size=4, num_blocks=80, max_num_seqs=16)  # noqa: E731
+    ours = replay(make, PROMPTS, LENS, rate=30.0, seed=3, clock=TickClock(0.125))
+    direct = replay_arrivals(make(), PROMPTS, LENS, poisson_arrivals(len(PROMPTS), 30.0, 3), clock=TickClock(0.125))
+    assert [t.token_times for t in ours] == [t.token_times for t in direct]
