@@ -7,8 +7,14 @@ import statistics
 import pytest
 
 from kvlab import load_model
-from kvlab.benchmarks.queueing import (arrival_rate, busy_fraction, busy_time, makespan, mean_in_system,
-                                       single_server_wait)
+from kvlab.benchmarks.queueing import (
+    arrival_rate,
+    busy_fraction,
+    busy_time,
+    makespan,
+    mean_in_system,
+    single_server_wait,
+)
 from kvlab.benchmarks.replay import replay
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.stats import StepRecord
