@@ -1,16 +1,24 @@
-"""Chapter 10's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values with a float32 scale per (block, KV head).
+"""Chapter 10's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values, each with a float32 scale.
 
     stored = quantize(x / scale)        x ~ stored * scale
+
+Two granularities of scale:
+
+    "int8", "fp8_e4m3" ("fp8")                    one scale per (block, KV head): kvlab's own format
+    "int8_per_token_head", "fp8_per_token_head"   one scale per (token, KV head), computed when the token
+                                                  is written: vLLM's names for the same idea
 
 Imports nothing but torch, so the kernels' reference and the caches share one definition.
 """
 
 import torch
 
-SUPPORTED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
+SUPPORTED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
+# vLLM's spellings (vllm/config/cache.py, CacheDType): a scale per token and KV head, found on write.
+PER_TOKEN_HEAD_KV_CACHE_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
 INT8_MAX = 127            # symmetric int8: -127..127, so -x is always representable
 FP8_E4M3_MAX = 448.0      # the largest finite float8_e4m3fn
-SCALE_BYTES = 4           # one float32 scale per (block, KV head), for K and for V
+SCALE_BYTES = 4           # one float32 scale per (block or token, KV head), for K and for V
 # A block of zeros still gets a positive scale, so dequantising gives 0 rather than 0/0 = NaN.
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
@@ -28,13 +36,19 @@ def _fp8_dtype() -> torch.dtype:
 
 def storage_format(kv_cache_dtype: str) -> tuple[torch.dtype, float]:
     """The pool dtype and the largest stored magnitude for a kv_cache_dtype name."""
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in ("int8", "int8_per_token_head"):
         return torch.int8, float(INT8_MAX)
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_per_token_head"):
         return _fp8_dtype(), FP8_E4M3_MAX
     raise ValueError(
         f"unsupported kv_cache_dtype {kv_cache_dtype!r}; supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
     )
+
+
+def scale_granularity(kv_cache_dtype: str) -> str:
+    """'token' for a scale per (token, KV head), 'block' for one per (block, KV head); ValueError otherwise."""
+    storage_format(kv_cache_dtype)
+    return "token" if kv_cache_dtype in PER_TOKEN_HEAD_KV_CACHE_DTYPES else "block"
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:

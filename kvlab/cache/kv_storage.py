@@ -3,6 +3,9 @@
     "auto"                   K/V in the model's dtype (float32, float16 or bfloat16), as Chapter 3 stores them
     "int8", "fp8_e4m3"       8-bit values plus a float32 scale per (block, KV head) for K and one for V
                              ("fp8" is accepted for fp8_e4m3, as vLLM does)
+    "int8_per_token_head",   8-bit values plus a float32 scale per (token, KV head) for K and one for V,
+    "fp8_per_token_head"     found from the token's own values when it is written (vLLM's formats of
+                             these names); nothing is ever rounded twice
 
 Each layer has a K pool and a V pool [num_blocks, block_size, Hkv, D]; an 8-bit storage also has
 k_scales[layer] and v_scales[layer] [num_blocks, Hkv], and
@@ -33,6 +36,7 @@ import torch
 
 from kvlab.analysis.kv_size import DTYPE_BYTES, kv_cache_bytes_per_token, kv_shape
 from kvlab.quantization import (
+    PER_TOKEN_HEAD_KV_CACHE_DTYPES,
     SCALE_BYTES,
     SCALE_FLOOR,
     SUPPORTED_KV_CACHE_DTYPES,
@@ -42,17 +46,21 @@ from kvlab.quantization import (
 )
 from kvlab.validation import check_block_size
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what a paged cache and the engine accept
+# What a paged cache and the engine accept.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", *PER_TOKEN_HEAD_KV_CACHE_DTYPES)
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}     # vLLM's "fp8" means e4m3
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype) -> str:
-    """vLLM's kv_cache_dtype checked and made canonical: 'auto', 'int8' or 'fp8_e4m3' ('fp8' is fp8_e4m3)."""
+    """vLLM's kv_cache_dtype checked and made canonical: 'auto', 'int8', 'fp8_e4m3' ('fp8' is fp8_e4m3),
+    'int8_per_token_head' or 'fp8_per_token_head'."""
     name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose 'auto' (K/V in the model's dtype), 'int8' or "
-            f"'fp8_e4m3' (also spelled 'fp8'): one of auto, int8, fp8, fp8_e4m3"
+            f"'fp8_e4m3' (also spelled 'fp8') for a scale per (block, KV head), or 'int8_per_token_head' / "
+            f"'fp8_per_token_head' for a scale per (token, KV head): one of auto, int8, fp8, fp8_e4m3, "
+            f"int8_per_token_head, fp8_per_token_head"
         )
     return name
 
@@ -79,6 +87,7 @@ class KVStorage:
     """K and V in the model's dtype ("auto"): per layer two pools [num_blocks, block_size, Hkv, D]."""
 
     kv_cache_dtype = "auto"
+    scale_granularity = None  # no scales: the values are stored as they are
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
                  pool_dtype: torch.dtype | None = None):
@@ -194,6 +203,8 @@ def _check_scale(name: str, scale, num_blocks: int, num_kv_heads: int) -> torch.
 
 class QuantizedKVStorage(KVStorage):
     """K and V in int8 or fp8 e4m3 pools [num_blocks, block_size, Hkv, D], with float32 scales [num_blocks, Hkv]."""
+
+    scale_granularity = "block"
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype="int8",
                  dtype=torch.float32, device="cpu"):
@@ -340,25 +351,118 @@ class QuantizedKVStorage(KVStorage):
         self.static[layer_idx] = True
 
 
+class PerTokenHeadKVStorage(QuantizedKVStorage):
+    """K and V in int8 or fp8 e4m3 pools [num_blocks, block_size, Hkv, D], with float32 scales
+    [num_blocks, block_size, Hkv]: one per token and KV head, as vLLM's int8_per_token_head / fp8_per_token_head.
+
+    A token's scale is amax over its head_dim / 127 (int8) or / 448 (fp8), found when it is written, so a
+    large value in one token costs no precision in its neighbours and nothing is requantised.
+    """
+
+    scale_granularity = "token"
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype="int8_per_token_head",
+                 dtype=torch.float32, device="cpu"):
+        if kv_cache_dtype not in PER_TOKEN_HEAD_KV_CACHE_DTYPES:
+            raise ValueError(f"PerTokenHeadKVStorage stores {', '.join(PER_TOKEN_HEAD_KV_CACHE_DTYPES)}, "
+                             f"got {kv_cache_dtype!r} (its per-block formats are QuantizedKVStorage's)")
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype, dtype, device)
+        shape = (num_blocks, block_size, num_kv_heads)
+        self._k_scales = [torch.full(shape, SCALE_FLOOR, device=device) for _ in range(num_layers)]
+        self._v_scales = [torch.full(shape, SCALE_FLOOR, device=device) for _ in range(num_layers)]
+
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        """K's scale per (token slot, KV head) for every layer: [num_blocks, block_size, Hkv] float32 each."""
+        return self._k_scales
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        """V's scale per (token slot, KV head) for every layer."""
+        return self._v_scales
+
+    def _quantize_into(self, pool: torch.Tensor, scales: torch.Tensor, static: bool, x: torch.Tensor,
+                       slot_mapping: torch.Tensor, plan=None, ok=None) -> None:
+        """Quantise x [T, Hkv, D] into pool at slot_mapping with each (token, head)'s own scale; ok as the base class's."""
+        scale = (x.abs().amax(dim=-1).float() / self.qmax).clamp_min(SCALE_FLOOR)  # [T, Hkv]
+        stored = quantize(x, scale, self.kv_cache_dtype)
+        flat_pool = pool.view(self.num_slots, *pool.shape[2:])
+        flat_scales = scales.view(self.num_slots, scales.shape[-1])
+        if ok is not None:  # a pass that found NaN or inf leaves every slot as it was
+            stored = torch.where(ok, stored, flat_pool[slot_mapping])
+            scale = torch.where(ok, scale, flat_scales[slot_mapping])
+        flat_pool[slot_mapping] = stored
+        flat_scales[slot_mapping] = scale
+
+    def prepare_pass(self, slot_mapping: torch.Tensor) -> None:
+        """Only the pass's NaN flags: a token's scale needs no plan of the blocks it touches."""
+        self.finish_pass()
+        self._pass_plan = None
+        self._pass_bad = torch.zeros(self.num_layers, dtype=torch.bool, device=self.device)
+
+    def gather(self, layer_idx: int, block_table: list[int], seq_len: int, dtype: torch.dtype):
+        """One sequence's K and V through its block table, dequantised to dtype: two [Hkv, seq_len, D]."""
+        table = torch.as_tensor(block_table, dtype=torch.long, device=self.device)
+        out = []
+        for pool, scales in ((self.k_pools[layer_idx], self.k_scales[layer_idx]),
+                             (self.v_pools[layer_idx], self.v_scales[layer_idx])):
+            per_token = scales[table].flatten(0, 1)[:seq_len]  # [seq_len, Hkv]
+            out.append(dequantize(gather_kv(pool, block_table, seq_len), per_token.transpose(0, 1), dtype))
+        return tuple(out)
+
+    def gather_slots(self, layer_idx: int, slots: torch.Tensor, dtype: torch.dtype):
+        """K and V of any slots [N] (int64), each dequantised with its own scale: two [N, Hkv, D]."""
+        stored_k, stored_v = KVStorage.gather_slots(self, layer_idx, slots, dtype)
+        flat = (self.num_slots, self.num_kv_heads)
+        return (dequantize(stored_k, self.k_scales[layer_idx].view(flat).index_select(0, slots), dtype),
+                dequantize(stored_v, self.v_scales[layer_idx].view(flat).index_select(0, slots), dtype))
+
+    def kernel_inputs(self, layer_idx: int):
+        """Refused: the Triton kernels of Chapter 7 read one scale per (block, KV head)."""
+        raise ValueError(
+            f"kv_cache_dtype {self.kv_cache_dtype!r} keeps a scale per (token, KV head), and kvlab's Triton kernels "
+            f"read one per (block, KV head): use attention_backend 'torch' or 'reference' with it, or "
+            f"kv_cache_dtype 'int8' / 'fp8_e4m3' with the kernels"
+        )
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's K and V pools as real numbers: two [num_blocks, block_size, Hkv, D] tensors."""
+        return (dequantize(self.k_pools[layer_idx], self.k_scales[layer_idx], self.dtype),
+                dequantize(self.v_pools[layer_idx], self.v_scales[layer_idx], self.dtype))
+
+    def set_scales(self, layer_idx: int, k_scale, v_scale) -> None:
+        """Refused: a per-token-head scale is found from each token as it is written (vLLM ignores checkpoint scales
+        for these formats too)."""
+        raise ValueError(
+            f"kv_cache_dtype {self.kv_cache_dtype!r} computes a scale for every token and KV head when the token is "
+            f"written, so there is no fixed scale to set; calibrated scales apply to 'int8' and 'fp8_e4m3'"
+        )
+
+
 def make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                     dtype=torch.float32, device="cpu") -> KVStorage:
-    """The storage for a kv_cache_dtype ('auto', 'int8', 'fp8' or 'fp8_e4m3'); a ValueError naming them otherwise."""
+    """The storage for a kv_cache_dtype ('auto', 'int8', 'fp8', 'fp8_e4m3', 'int8_per_token_head' or
+    'fp8_per_token_head'); a ValueError naming them otherwise."""
     name = resolve_kv_cache_dtype(kv_cache_dtype)
     if name == "auto":
         return KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    if name in PER_TOKEN_HEAD_KV_CACHE_DTYPES:
+        return PerTokenHeadKVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, name, dtype, device)
     return QuantizedKVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, name, dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------
 # What one block costs, before any pool exists: the engine sizes its pool from this.
 
-def _element_dtype(kv_cache_dtype: str) -> tuple[str, bool]:
-    """(kv_size dtype name of one stored element, whether blocks carry per-(block, head) scales)."""
+def _element_dtype(kv_cache_dtype: str) -> tuple[str, int]:
+    """(kv_size dtype name of one stored element, the scales' granularity: None, 'block' or 'token')."""
+    if kv_cache_dtype in PER_TOKEN_HEAD_KV_CACHE_DTYPES:
+        return "int8", "token"
     if kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES:
-        return "int8", True  # int8 and fp8 both store one byte per element
+        return "int8", "block"  # int8 and fp8 both store one byte per element
     name = str(kv_cache_dtype).removeprefix("torch.")
     if name in DTYPE_BYTES and name not in ("int8", "fp8", "float8_e4m3fn", "float8_e5m2"):
-        return name, False
+        return name, None
     raise ValueError(
         f"unsupported kv_cache_dtype {kv_cache_dtype!r}; quantised: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}; "
         f"unquantised: float32, float16, bfloat16"
@@ -366,13 +470,16 @@ def _element_dtype(kv_cache_dtype: str) -> tuple[str, bool]:
 
 
 def block_bytes(config, kv_cache_dtype: str, block_size: int = 16) -> int:
-    """Bytes of one block across all layers, K and V: elements, plus one float32 scale per KV head when quantised.
+    """Bytes of one block across all layers, K and V: elements, plus the float32 scales when quantised
+    (one per KV head per block for 'int8' / 'fp8', one per KV head per token for the per_token_head formats).
 
     kv_cache_dtype: a stored dtype, 'float32' / 'float16' / 'bfloat16' (what 'auto' stores for such a
-    model) or 'int8' / 'fp8' / 'fp8_e4m3'. Equals a built cache's nbytes / num_blocks.
+    model), 'int8' / 'fp8' / 'fp8_e4m3' or 'int8_per_token_head' / 'fp8_per_token_head'. Equals a built
+    cache's nbytes / num_blocks.
     """
     check_block_size(block_size)
-    element, scaled = _element_dtype(kv_cache_dtype)
+    element, granularity = _element_dtype(kv_cache_dtype)
     shape = kv_shape(config)
-    scales = 2 * shape["num_layers"] * shape["num_kv_heads"] * SCALE_BYTES if scaled else 0
+    scales_per_head = {None: 0, "block": 1, "token": block_size}[granularity]
+    scales = 2 * shape["num_layers"] * shape["num_kv_heads"] * scales_per_head * SCALE_BYTES
     return block_size * kv_cache_bytes_per_token(config, element) + scales

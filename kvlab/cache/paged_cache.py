@@ -8,7 +8,7 @@ sequence's queries attend over its blocks, gathered through its block table.
 A PagedKVCache is composed of two parts, so that any pair works:
 
     storage       how K/V are kept (kvlab.cache.kv_storage): the model's dtype ("auto"), or int8 /
-                  fp8 e4m3 with a scale per (block, KV head), as vLLM's kv_cache_dtype
+                  fp8 e4m3 with a scale per (block, KV head) or per (token, KV head), as vLLM's kv_cache_dtype
     attn_backend  how the queries read them (kvlab.cache.attention_backends): Chapter 3's
                   per-sequence reference, Chapter 6's batched torch decode, or Chapter 7's Triton kernel
 
@@ -26,6 +26,7 @@ from kvlab.cache.attention import causal_attention
 from kvlab.cache.attention_backends import get_attn_backend
 from kvlab.cache.kv_storage import gather_dequantized, gather_kv, make_kv_storage
 from kvlab.cache.ragged_batch import BatchLayout
+from kvlab.quantization import PER_TOKEN_HEAD_KV_CACHE_DTYPES
 
 __all__ = ["PagedKVCache", "copy_blocks", "gather_kv", "paged_attention"]
 
@@ -59,6 +60,8 @@ class PagedKVCache:
             warnings.warn("decode_backend is now called attention_backend: the backend runs prefills too",
                           DeprecationWarning, stacklevel=2)
             attention_backend = decode_backend
+        if attention_backend == "auto" and kv_cache_dtype in PER_TOKEN_HEAD_KV_CACHE_DTYPES:
+            attention_backend = "torch"  # the Triton kernels read one scale per (block, KV head), not per token
         self.attn_backend = get_attn_backend(attention_backend, device)  # checked before any pool is allocated
         self.storage = make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                                        dtype, device)
@@ -86,17 +89,17 @@ class PagedKVCache:
 
     @property
     def k_scales(self) -> list[torch.Tensor]:
-        """K's scale per layer, [num_blocks, Hkv] float32; empty unless the storage is 8-bit."""
+        """K's scale per layer, [num_blocks, Hkv] float32 ([num_blocks, block_size, Hkv] per token); empty unless 8-bit."""
         return self.storage.k_scales
 
     @property
     def v_scales(self) -> list[torch.Tensor]:
-        """V's scale per layer, [num_blocks, Hkv] float32; empty unless the storage is 8-bit."""
+        """V's scale per layer, shaped as k_scales; empty unless the storage is 8-bit."""
         return self.storage.v_scales
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The storage format: 'auto', 'int8' or 'fp8_e4m3'."""
+        """The storage format: 'auto', 'int8', 'fp8_e4m3', 'int8_per_token_head' or 'fp8_per_token_head'."""
         return self.storage.kv_cache_dtype
 
     @property

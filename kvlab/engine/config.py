@@ -151,8 +151,11 @@ class CacheConfig(_Checked):
     kv_cache_memory: int | None = knob(None, "the pool as a byte budget instead of --num-blocks, e.g. 512MiB "
                                              "(vLLM: --kv-cache-memory-bytes)", _optional(_kv_cache_memory),
                                        parse=parse_bytes)
-    kv_cache_dtype: str = knob("auto", "how K/V are stored: the model's dtype (auto), int8 or fp8 (= fp8_e4m3)",
-                               lambda n, v: resolve_kv_cache_dtype(v), choices=("auto", "int8", "fp8", "fp8_e4m3"))
+    kv_cache_dtype: str = knob("auto", "how K/V are stored: the model's dtype (auto), int8 or fp8 (= fp8_e4m3) with a "
+                                       "scale per block and KV head, or int8_per_token_head / fp8_per_token_head "
+                                       "with one per token and KV head",
+                               lambda n, v: resolve_kv_cache_dtype(v),
+                               choices=("auto", "int8", "fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"))
     enable_prefix_caching: bool = knob(True, "reuse the K/V of full blocks that earlier prompts computed", _boolean)
     num_cpu_blocks: int | None = knob(None, "blocks in the CPU pool that swap preemption copies to "
                                             "(default: as many as the device pool)",

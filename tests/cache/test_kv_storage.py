@@ -155,9 +155,10 @@ def test_swap_out_and_in_restores_values_and_scales(kv_cache_dtype):
 # --- names and bad input ----------------------------------------------------------------------
 
 def test_kv_cache_dtype_names():
-    assert KV_CACHE_DTYPES == ("auto", "int8", "fp8_e4m3")
-    names = ("auto", "int8", "fp8", "fp8_e4m3")
-    assert [resolve_kv_cache_dtype(n) for n in names] == ["auto", "int8", "fp8_e4m3", "fp8_e4m3"]
+    assert KV_CACHE_DTYPES == ("auto", "int8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
+    names = ("auto", "int8", "fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
+    assert [resolve_kv_cache_dtype(n) for n in names] == ["auto", "int8", "fp8_e4m3", "fp8_e4m3",
+                                                          "int8_per_token_head", "fp8_per_token_head"]
     assert PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
     assert PagedKVCache(1, 2, 4, 1, 16, kv_cache_dtype="fp8").k_pools[0].dtype == torch.float8_e4m3fn
 
