@@ -81,7 +81,8 @@ class ModelRunner:
             drafter = DraftModelProposer(draft_model, num_blocks, cache_config.block_size,
                                          spec.num_speculative_tokens, sample_with_probs,
                                          attention_backend=cache_config.attention_backend,
-                                         kv_cache_dtype=cache_config.kv_cache_dtype)
+                                         kv_cache_dtype=cache_config.kv_cache_dtype,
+                                         keep_draft_probs=spec.use_draft_probs)
         swap_space = None
         if config.scheduler_config.preemption_mode == "swap":
             extra = (drafter.cache,) if isinstance(drafter, DraftModelProposer) else ()

@@ -8,11 +8,16 @@ token is drawn from the residual max(p_i - q_i, 0), renormalised, and the rest o
 When all k are kept, a bonus token is drawn from the target's distribution at position k + 1. Every
 emitted token then follows the target's distribution, as if the target had sampled it alone.
 
-An n-gram proposer has no distribution: its q is one-hot on the token it proposed (as in vLLM), so a
-draft token is kept with probability p_i(x) and a rejection draws from p_i with x removed. Greedy
-decoding is the limit: keep while the draft token is the target's argmax, then emit the argmax.
-vLLM V1 does this in vllm/v1/sample/rejection_sampler.py, for a whole batch at once on the GPU; this
-is one request's verification, for clarity.
+Without a distribution (draft_probs=None) q counts as one-hot on the proposed token: a draft token is
+kept with probability p_i(x), and a rejection draws from p_i with x removed. That is what vLLM V1 does
+for every proposer, not only n-gram lookup: its model runner hands the rejection sampler no draft
+probabilities (draft_probs=None in vllm/v1/worker/gpu_model_runner.py), so EAGLE's, MTP's and a draft
+model's tokens are verified as one-hot too, and those proposers draft greedily (the argmax of their
+logits, vllm/v1/spec_decode/). kvlab keeps the papers' q-based rule for its draft model by default;
+speculative_config's use_draft_probs=False verifies the vLLM way. Both keep the target's distribution;
+they differ in how often a draft is kept. Greedy decoding is the limit: keep while the draft token is
+the target's argmax, then emit the argmax. vLLM does all this in vllm/v1/sample/rejection_sampler.py for
+a whole batch at once on the GPU; this is one request's verification, for clarity.
 """
 
 import torch

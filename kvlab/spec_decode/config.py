@@ -3,6 +3,13 @@
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 3})   # the embedded draft model
+    LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "use_draft_probs": False})
+
+use_draft_probs is kvlab's own key. True (the default) verifies a draft model's sampled tokens with its
+distribution q, the papers' rule (Leviathan et al. 2023, Chen et al. 2023): keep x with probability
+min(1, p(x) / q(x)). False verifies as vLLM V1 does: its model runner passes draft_probs=None to the rejection
+sampler (vllm/v1/worker/gpu_model_runner.py), so every proposer's drafts count as one-hot: x is kept with
+probability p(x), and a rejection samples from p with x removed. Both keep the target's distribution.
 
 As in vLLM, giving only one of prompt_lookup_min / prompt_lookup_max sets the other to it, and
 giving neither sets both to 5; a config with a "model" and no "method" is a draft model.
@@ -25,10 +32,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None   # ngram: the longest suffix n-gram looked up in the context
     prompt_lookup_min: int | None = None   # ngram: the shortest one that still counts as a match
     model: object = None                   # draft_model: a path, hub id or loaded model; None = the embedded draft
+    use_draft_probs: bool = True           # draft_model: verify with q (the papers) or one-hot (vLLM V1)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not isinstance(self.use_draft_probs, bool):
+            raise ValueError(f"use_draft_probs is True (verify with the draft's q) or False (one-hot, as vLLM V1), "
+                             f"got {self.use_draft_probs!r}")
         k = check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if k > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS} here, got {k}")

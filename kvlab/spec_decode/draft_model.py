@@ -64,10 +64,12 @@ class DraftModelProposer:
     """A draft model, its paged cache (same num_blocks and block_size as the target's) and how far each request is."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_speculative_tokens: int, sampler: DraftSampler,
-                 attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto", keep_draft_probs: bool = True):
         self.model = model
         self.k = num_speculative_tokens
         self.sampler = sampler
+        # False: hand no distributions to verification (vLLM V1's draft_probs=None), so drafts count as one-hot.
+        self.keep_draft_probs = keep_draft_probs
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, attention_backend=attention_backend,
                                             kv_cache_dtype=kv_cache_dtype)
         self.num_computed: dict[str, int] = {}  # request id -> positions whose draft K/V are valid
@@ -85,7 +87,10 @@ class DraftModelProposer:
         self.num_computed.pop(request_id, None)
 
     def propose(self, requests: list[DraftRequest]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Per request: its draft tokens and their draft distributions [num_drafts, vocab] (None for greedy ones)."""
+        """Per request: its draft tokens and their draft distributions [num_drafts, vocab].
+
+        The distributions are None for greedy requests, and for every request when keep_draft_probs is False.
+        """
         results: list[tuple[list[int], list]] = [([], []) for _ in requests]
         chunks, proposing = [], []
         for i, r in enumerate(requests):
@@ -124,6 +129,7 @@ class DraftModelProposer:
             rows = step_logits
         out = []
         for ids, qs in results:
-            probs = torch.stack(qs) if qs and all(q is not None for q in qs) else None
+            keep = self.keep_draft_probs and qs and all(q is not None for q in qs)
+            probs = torch.stack(qs) if keep else None
             out.append((ids, probs))
         return out

@@ -33,6 +33,7 @@ def test_vllm_defaults_for_the_lookup_window():
     ({"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "belong to the ngram"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_spec_tokens": 3}, "unknown keys"),
     ({"num_speculative_tokens": 2}, "needs a 'method'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "use_draft_probs": "no"}, "use_draft_probs"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_configs_say_what_is_wrong(config, message):

@@ -53,6 +53,21 @@ def test_sampled_drafts_come_with_their_distributions(draft):
     assert all(float(probs[i, t]) > 0 for i, t in enumerate(ids)), "each draft token was drawn from its row"
 
 
+def test_without_draft_probs_the_same_drafts_come_without_distributions(draft):
+    """keep_draft_probs=False is vLLM V1's draft_probs=None: the same sampled tokens, no q for the verifier."""
+    params = SamplingParams(temperature=0.8, max_tokens=64)
+    drafted = []
+    for keep in (True, False):
+        p = DraftModelProposer(draft, 12, BLOCK, 2, sample_with_probs, attention_backend="torch",
+                               keep_draft_probs=keep)
+        p.admit("r", 0)
+        drafted.append(p.propose([DraftRequest("r", [5, 9, 13], [0, 1], 2, 2, params,
+                                               torch.Generator().manual_seed(0))])[0])
+    (ids_with, probs_with), (ids_without, probs_without) = drafted
+    assert ids_with == ids_without, "the flag changes what verification sees, not what the draft model samples"
+    assert probs_with is not None and probs_without is None
+
+
 def test_keep_and_free_follow_the_target_through_preemption(draft):
     p = proposer(draft)
     p.admit("r", 0)

@@ -310,7 +310,7 @@ def chi_square_p_value(counts, probs) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def speculated_p_values(method):
+def speculated_p_values(method, use_draft_probs=True):
     """Chi-square p-values of tokens 2 and 3 (both from verifications) against the target's exact laws."""
     target, draft_model = small_vocab_model(1), small_vocab_model(2)
     prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]  # every token occurs: an n-gram match always exists
@@ -326,7 +326,8 @@ def speculated_p_values(method):
             law2 += p1[t1] * p2
             for t2 in range(6):
                 law3 += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
-    spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 2} if method == "draft_model" \
+    spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 2,
+            "use_draft_probs": use_draft_probs} if method == "draft_model" \
         else {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     engine = LLMEngine(target, None, block_size=4, num_blocks=2000, max_num_seqs=512, max_num_batched_tokens=4096,
                        enable_prefix_caching=False, speculative_config=spec)
@@ -354,6 +355,22 @@ def test_speculated_positions_follow_the_target_distribution(method):
     for name, p, counts, expected in results:
         assert p > 1e-3, (f"token {name} does not follow the target's law: counts {counts.tolist()} "
                           f"vs expected {expected.tolist()}, p = {p:.2g}")
+
+
+def test_one_hot_verification_of_sampled_drafts_keeps_the_law_and_accepts_less():
+    """use_draft_probs=False verifies as vLLM V1 (draft_probs=None): still the target's law, fewer drafts kept.
+
+    A draft x ~ q is kept with probability p(x) instead of min(1, p(x) / q(x)); over x that is sum q p against
+    sum min(p, q), never more.
+    """
+    results, one_hot = speculated_p_values("draft_model", use_draft_probs=False)
+    for name, p, counts, expected in results:
+        assert p > 1e-3, (f"one-hot verification: token {name} does not follow the target's law: counts "
+                          f"{counts.tolist()} vs expected {expected.tolist()}, p = {p:.2g}")
+    _, with_q = speculated_p_values("draft_model")
+    assert one_hot.num_accepted_tokens < with_q.num_accepted_tokens, (
+        f"one-hot kept {one_hot.num_accepted_tokens} drafts, q-based {with_q.num_accepted_tokens}: "
+        "verifying with q should keep more of the same kind of drafts")
 
 
 def test_a_sampler_that_keeps_drafts_would_be_caught(monkeypatch):
