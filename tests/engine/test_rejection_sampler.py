@@ -123,3 +123,36 @@ def test_a_rejection_ends_the_verification_without_a_bonus_token():
     assert rejection_sample([1, 2], certain, None, torch.Generator().manual_seed(0)) == [1, 2, 3], (
         "every draft accepted: the bonus token comes from the last row")
     assert greedy_verify([1, 4], certain) == [1, 2], "greedy: the first mismatch ends it with the target's argmax"
+
+
+def test_sampled_drafts_verified_one_hot_keep_the_target_and_are_kept_less_often():
+    """vLLM V1's way (draft_probs=None) for a draft x ~ q: kept with p(x), not min(1, p(x) / q(x)); p is kept either way."""
+    target, draft = random_dist(5, 2), random_dist(6, 1)
+    gen = torch.Generator().manual_seed(4)
+    counts = {"q": torch.zeros(VOCAB, dtype=torch.float64), "one-hot": torch.zeros(VOCAB, dtype=torch.float64)}
+    kept = {"q": 0, "one-hot": 0}
+    for _ in range(DRAWS):
+        x = int(torch.multinomial(draft[0], 1, generator=gen))
+        for name, q in (("q", draft), ("one-hot", None)):
+            out = rejection_sample([x], target, q, gen)
+            counts[name][out[0]] += 1
+            kept[name] += len(out) == 2
+    for name in counts:
+        p = chi_square_p_value(counts[name], target[0])
+        assert p > 1e-3, f"verified with {name}: the first token must follow the target (chi-square p = {p:.2g})"
+    theory = {"q": float(torch.minimum(target[0], draft[0]).sum()), "one-hot": float((target[0] * draft[0]).sum())}
+    for name in kept:
+        assert abs(kept[name] / DRAWS - theory[name]) < 0.015, (name, kept[name] / DRAWS, theory[name])
+    assert theory["one-hot"] < theory["q"], "one-hot verification keeps fewer of the same sampled drafts"
+
+
+def test_the_inputs_are_left_unchanged_on_both_branches():
+    target, draft = random_dist(7, 3), random_dist(8, 2)
+    before = (target.clone(), draft.clone())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):   # accepting and rejecting, with q and one-hot
+        for q in (draft, None):
+            drafts = [1, 3]
+            rejection_sample(drafts, target, q, gen)
+            assert drafts == [1, 3]
+    assert torch.equal(target, before[0]) and torch.equal(draft, before[1]), "verification must not write its inputs"
