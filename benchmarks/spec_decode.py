@@ -112,27 +112,16 @@ def run_hf(model, prompts, **extra) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "outputs": outs}
 
 
-def pass_costs(model, query_lens=(1, 2, 3, 4, 5, 7), context: int = 200, repeats: int = 300) -> dict:
-    """Seconds of one target pass carrying q new tokens (one sequence, `context` cached): what verifying costs."""
-    import torch
+def pass_costs(model, query_lens=(1, 2, 3, 4, 5, 7), context: int = 200, rounds: int = 31) -> dict:
+    """Seconds of one target pass carrying q new tokens (one sequence, `context` cached): what verifying costs.
 
-    from kvlab.cache.paged_cache import PagedKVCache
-    from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
+    Measured by kvlab.benchmarks.step_cost (the course's one account of a step's cost), median of `rounds`.
+    """
+    from kvlab.benchmarks.step_cost import PassCase, measure_passes
 
-    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=BLOCK_SIZE, attention_backend="auto")
-    table = list(range(16))
-    costs = {}
-    with torch.inference_mode():
-        forward_batch(model, cache, [SequenceChunk([3 + i % 70 for i in range(context)], 0, table)])
-        for q in query_lens:
-            chunk = [SequenceChunk([5] * q, context, table)]
-            for _ in range(20):
-                forward_batch(model, cache, chunk)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                forward_batch(model, cache, chunk)
-            costs[q] = (time.perf_counter() - start) / repeats
-    return costs
+    cases = {q: PassCase("verify", 1, q, context) for q in query_lens}
+    times = measure_passes(model, list(cases.values()), rounds=rounds)
+    return {q: statistics.median(times[case]) for q, case in cases.items()}
 
 
 def median_of(runs: list[dict]) -> dict:
