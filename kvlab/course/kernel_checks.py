@@ -4,6 +4,7 @@ The test cells load this file afresh (as they load kvlab/course/checks.py), and 
 and the reference it compares with afresh too, so nothing a notebook redefines takes part in grading.
 """
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -49,11 +50,17 @@ def check_output(name, yours, expected, hint=None, nan_hint=None, atol=1e-5, rto
     check_close(name, yours, expected, atol=atol, rtol=rtol, hint=hint)
 
 
-def make_batch(seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare"):
+PEAK_SCALE = 100.0  # planted keys' factor: their scores reach the hundreds, where exp overflows fp32 past about 88
+
+
+def make_batch(seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare",
+               peak=None, peak_at=16):
     """A decode batch on a shuffled pool, NaN wherever a kernel must not read: (q, k_cache, v_cache, tables, seq_lens).
 
     padding: what the table entries past each sequence's last block hold, "spare" (the NaN spare block) or
     "garbage" (block numbers far outside the pool, negative ones included: any number may be there).
+    peak: "late" multiplies the keys at positions >= peak_at by PEAK_SCALE, so that later tiles' scores rise
+    hundreds above the first tile's; "early" does it to the positions before peak_at (later scores far below).
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-n // block_size) for n in seq_lens]
@@ -74,6 +81,14 @@ def make_batch(seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
         if padding == "garbage":
             junk = torch.randint(num_blocks, 2**30, (width - need,), generator=gen, dtype=torch.int32)
             block_tables[i, need:] = torch.where(torch.arange(width - need) % 2 == 0, junk, -junk)
+    if peak is not None:
+        if peak not in ("late", "early"):
+            raise ValueError(f"peak must be None, 'late' or 'early'; got {peak!r}")
+        for i, n in enumerate(seq_lens):
+            for pos in range(n):
+                if (pos >= peak_at) == (peak == "late"):
+                    block, slot = int(block_tables[i, pos // block_size]), pos % block_size
+                    k_cache[block, slot] *= PEAK_SCALE
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return tuple(t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, seq_lens))
 
@@ -126,20 +141,17 @@ def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale=None, tile
     queries_per_kv = shape.num_heads // shape.num_kv_heads
     grid = (shape.num_seqs, shape.num_kv_heads if group else shape.num_heads)
     rows = dict(BLOCK_M=group_rows(queries_per_kv)) if group else {}
-    untrack = _track_reads(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                                out=out)) if INTERPRETED else None
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    untrack = _track_reads(tensors) if INTERPRETED else None
     try:
         # The interpreter computes with NumPy, which warns (on stderr) where a GPU silently gives inf or NaN.
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), _guarded(kernel, tensors):
             kernel[grid](
                 out, q, k_cache, v_cache, block_tables, seq_lens, shape.scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                 QUERIES_PER_KV=queries_per_kv, HEAD_DIM=shape.head_dim,
                 HEAD_DIM_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_SIZE=shape.block_size, TILE=tile, **rows)
-    except Exception as err:
-        _raise_stub(kernel, err)
-        raise
     finally:
         if untrack:
             untrack()
@@ -159,24 +171,86 @@ def _raise_stub(kernel, err):
                                   "write its body") from None
 
 
+def _kernel_references():
+    """kvlab's attention kernels, their launchers and references: what no exercise kernel may reach."""
+    import kvlab.kernels
+    from kvlab.kernels import cache_write, split_kv, triton_unified_attention
+
+    device_code = [triton_unified_attention.attend_tiles, triton_unified_attention.unified_attention_kernel,
+                   split_kv.paged_decode_split_kernel, split_kv.split_reduce_kernel, cache_write.reshape_and_cache_kernel]
+    python = [kvlab.kernels.paged_attention_decode, kvlab.kernels.paged_attention_decode_split_kv,
+              kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.unified_attention,
+              kvlab.kernels.unified_attention_reference, kvlab.kernels.reshape_and_cache,
+              kvlab.kernels.reshape_and_cache_reference]
+    return python, device_code
+
+
+def _refusing():
+    """While a learner's kernel runs, kvlab's kernels and references refuse to run, however they are reached."""
+    python, device_code = _kernel_references()
+    return _checks.refusing(*python, *device_code)
+
+
+@contextlib.contextmanager
+def _guarded(kernel, tensors):
+    """Run a learner's launch: wild addresses refused before they are touched, kvlab's references refused."""
+    refuse = _load_counter.refuse_out_of_bounds(**tensors) if INTERPRETED else contextlib.nullcontext()
+    try:
+        with refuse, _refusing():
+            yield
+    except CheckFailed:
+        raise
+    except _checks.ReferenceRefused as err:
+        raise CheckFailed(f"{getattr(kernel, '__name__', kernel)}: {err}") from None
+    except Exception as err:
+        refused = _refused_cause(err)
+        if refused is not None:
+            raise CheckFailed(f"{getattr(kernel, '__name__', kernel)}: {refused}") from None
+        wild = _load_counter.out_of_bounds_cause(err)
+        if wild is not None:
+            raise CheckFailed(f"{getattr(kernel, '__name__', kernel)}: {wild}") from None
+        _raise_stub(kernel, err)
+        raise
+
+
+def _refused_cause(err):
+    """The ReferenceRefused behind err (the interpreter wraps what a kernel raises), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if type(err).__name__ == "ReferenceRefused":   # from any copy of kvlab.course.checks
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _snapshot(**tensors):
+    """Copies of the inputs, to check after a launch that the kernel left them as they were."""
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def unchanged_inputs(case, before, **after):
+    """Fail when a tensor in after differs from its copy in before (NaN equal to NaN): a kernel wrote into an input."""
+    for name, now in after.items():
+        then = before[name]
+        same = (now == then) | (now.isnan() & then.isnan()) if now.is_floating_point() else now == then
+        if not bool(same.all()):
+            index = tuple(int(i) for i in (~same).nonzero()[0])
+            raise CheckFailed(f"{case}: your kernel changed its input {name} at index {index} "
+                              f"(it held {then[index].item()}, now {now[index].item()}). "
+                              "Hint: a kernel writes only its output; check the pointer of every tl.store")
+
+
 def own_kernel(kernel):
     """Fail unless kernel is a @triton.jit kernel written in the notebook, not one of kvlab's."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    import kvlab.kernels
-    from kvlab.kernels import split_kv, triton_unified_attention
-
     if not isinstance(kernel, (JITFunction, InterpretedFunction)):
         raise CheckFailed(f"{kernel!r} is not a @triton.jit kernel: keep the decorator and the signature")
     # kvlab's device functions and kernels too: a notebook kernel could call attend_tiles inside its body.
-    device_code = [triton_unified_attention.attend_tiles, triton_unified_attention.unified_attention_kernel,
-                   split_kv.paged_decode_split_kernel, split_kv.split_reduce_kernel]
-    _checks.own_implementation(kernel.fn, kvlab.kernels.paged_attention_decode,
-                               kvlab.kernels.paged_attention_decode_split_kv,
-                               kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.unified_attention,
-                               kvlab.kernels.unified_attention_reference,
-                               *device_code, *(f.fn for f in device_code))
+    python, device_code = _kernel_references()
+    _checks.own_implementation(kernel.fn, *python, *device_code, *(f.fn for f in device_code))
 
 
 def forbidden_reads(k_cache, v_cache, block_tables, seq_lens):
@@ -225,8 +299,10 @@ def check_kernel(name, q, k_cache, v_cache, block_tables, seq_lens, *, kernel, t
     lens = seq_lens.tolist()
     case = (f"{name} [seq_lens {lens}, {q.shape[1]} heads on {k_cache.shape[2]} KV heads, head_dim {q.shape[2]}, "
             f"block size {k_cache.shape[1]}]")
+    before = _snapshot(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     with limited_output(), _load_counter.count_requested_bytes(k_cache=k_cache, v_cache=v_cache) as requested:
         yours = launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, tile=tile, group=group)
+    unchanged_inputs(case, before, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     problems = forbidden_reads(k_cache, v_cache, block_tables, seq_lens)
     if problems:
         raise CheckFailed(f"{case}: your kernel read what it must not.\n  " + "\n  ".join(problems))
@@ -283,14 +359,16 @@ def kernel_checker(kernel, tile=None, group=False, max_kv_reads=None):
 # Exercise 5: a whole ragged step (chunked prefills, prefix hits, decodes) through one unified kernel
 # ------------------------------------------------------------------------------------------------
 
-def make_step(seq_lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare"):
+def make_step(seq_lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, padding="spare",
+              peak=None, peak_at=16):
     """A ragged step on make_batch's NaN-trapped pool: (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc).
 
     Sequence i holds seq_lens[i] tokens in the pool, its q_lens[i] new ones (its last positions) included;
-    q [sum(q_lens), num_heads, head_dim] holds the new tokens' queries, sequence after sequence.
+    q [sum(q_lens), num_heads, head_dim] holds the new tokens' queries, sequence after sequence; peak and
+    peak_at plant large scores as make_batch does.
     """
     _, k_cache, v_cache, block_tables, lens = make_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                                                         seed, padding)
+                                                         seed, padding, peak, peak_at)
     gen = torch.Generator().manual_seed(seed + 1000)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
     query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -346,21 +424,18 @@ def launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start
         return out_rows[:num_tokens], out_rows[num_tokens:]
     block_tables, seq_lens, query_start_loc = (t.contiguous() for t in (block_tables, seq_lens, query_start_loc))
     grid = (shape.num_seqs, shape.num_kv_heads, triton.cdiv(max_q_len, block_q))
-    untrack_reads = _track_reads(dict(q=q_rows, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                                      seq_lens=seq_lens, query_start_loc=query_start_loc, out=out_rows)
-                                 ) if INTERPRETED else None
+    tensors = dict(q=q_rows, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc, out=out_rows)
+    untrack_reads = _track_reads(tensors) if INTERPRETED else None
     untrack_writes = _track_writes(out_rows) if INTERPRETED else None
     try:
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), _guarded(kernel, tensors):
             kernel[grid](
                 out_rows, q_rows, k_cache, v_cache, block_tables, seq_lens, query_start_loc, shape.scale,
                 q_rows.stride(0), q_rows.stride(1), out_rows.stride(0), out_rows.stride(1),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=shape.block_size, TILE=tile)
-    except Exception as err:
-        _raise_stub(kernel, err)
-        raise
     finally:
         for undo in (untrack_reads, untrack_writes):
             if undo:
@@ -378,7 +453,7 @@ ROW_MASK_HINT = ("store a row only when it is one of this program's (token, head
 
 
 def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, kernel, scale=None,
-               hint=None):
+               hint=None, nan_hint=None):
     """Launch kernel on a ragged step; check what it read and wrote, then each new token against the spec."""
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -386,8 +461,12 @@ def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     block_q, _ = step_rows(num_heads // num_kv_heads)
     case = (f"{name} [seq_lens {lens}, q_lens {q_lens}, {num_heads} heads on {num_kv_heads} KV heads, "
             f"block size {k_cache.shape[1]}, {block_q} tokens per program]")
+    before = _snapshot(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                       query_start_loc=query_start_loc)
     with limited_output():
         yours, spare = launch_step(kernel, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    unchanged_inputs(case, before, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                     seq_lens=seq_lens, query_start_loc=query_start_loc)
     problems = forbidden_reads(k_cache, v_cache, block_tables, seq_lens)
     if problems:
         raise CheckFailed(f"{case}: your kernel read what it must not.\n  " + "\n  ".join(problems))
@@ -419,6 +498,8 @@ def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         print(f"✓ {name}")
         return
     bad = wrong.nonzero().flatten().tolist()
+    if nan_hint and not_finite.any():
+        hint = nan_hint
     lines = [f"{where(t)}, at position {lens[s] - q_lens[s] + t - starts[s]}: "
              + ("NaN or inf" if not_finite[t] else f"max error {error[t]:.3g}")
              for t in bad[:6] for s in [max(i for i, a in enumerate(starts[:-1]) if a <= t and q_lens[i] > 0)]]
@@ -432,3 +513,83 @@ def check_step(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
 def step_checker(kernel):
     """check_step with the kernel fixed: checker(name, *step, scale=..., hint=...)."""
     return partial(check_step, kernel=kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 7: the cache write (vLLM's reshape_and_cache): a step's new K/V stored at their slots
+# ------------------------------------------------------------------------------------------------
+
+def make_cache_write(slots, num_blocks=6, block_size=8, num_kv_heads=2, head_dim=32, seed=0):
+    """A cache write: (key, value, k_cache, v_cache, slot_mapping), one row per entry of slots.
+
+    The pools hold random values; a padding row (slot -1) holds NaN, so that writing it anywhere shows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
+    key[slot_mapping < 0], value[slot_mapping < 0] = float("nan"), float("nan")
+    return tuple(t.to(DEVICE) for t in (key, value, k_cache, v_cache, slot_mapping))
+
+
+def launch_cache_write(kernel, key, value, k_cache, v_cache, slot_mapping):
+    """Validate, then run kernel on the grid (num_tokens,): one program per row of key and value."""
+    from kvlab.kernels.cache_write import validate_cache_write_inputs
+
+    validate_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    slot_mapping = slot_mapping.contiguous()
+    tensors = dict(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    with np.errstate(all="ignore"), _guarded(kernel, tensors):
+        kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1])
+
+
+def check_cache_write(name, key, value, k_cache, v_cache, slot_mapping, *, kernel, hint=None):
+    """Run kernel's write on copies of the pools; every slot must then hold what the engine's write puts there."""
+    slots = slot_mapping.tolist()
+    block_size = k_cache.shape[1]
+    case = (f"{name} [slot_mapping {slots}, {tuple(k_cache.shape[:2])} blocks x slots, {key.shape[1]} KV heads, "
+            f"head_dim {key.shape[2]}]")
+    before = _snapshot(key=key, value=value, slot_mapping=slot_mapping)
+    yours_k, yours_v = k_cache.clone(), v_cache.clone()
+    with limited_output():
+        launch_cache_write(kernel, key, value, yours_k, yours_v, slot_mapping)
+    unchanged_inputs(case, before, key=key, value=value, slot_mapping=slot_mapping)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    _reference.reshape_and_cache_reference(key, value, expected_k, expected_v, slot_mapping)
+    for pool, yours, expected in (("k_cache", yours_k, expected_k), ("v_cache", yours_v, expected_v)):
+        wrong = ~((yours == expected) | (yours.isnan() & expected.isnan()))
+        if not bool(wrong.any()):
+            continue
+        per_slot = wrong.flatten(2).any(2).flatten().nonzero().flatten().tolist()   # [num_slots]
+        slot = per_slot[0]
+        block, offset = divmod(slot, block_size)
+        if slot in slots:
+            token = slots.index(slot)
+            what = (f"token {token}'s row (slot_mapping[{token}] = {slot}) should be in block {block}, slot {offset}, "
+                    "but is not all there")
+            advice = hint or ("block = slot // BLOCK_SIZE, offset = slot % BLOCK_SIZE; store every KV head and "
+                              "head-dim lane of the token's K and V rows there")
+        elif bool(yours.flatten(0, 1)[slot].isnan().any()):
+            what = f"block {block}, slot {offset} holds NaN: a padding row (slot -1, its key and value NaN) was written"
+            advice = hint or "a token whose slot is -1 is padding: write nothing for it (if slot >= 0: ...)"
+        else:
+            what = f"block {block}, slot {offset} changed, but no token's slot is {slot}"
+            advice = hint or ("compute the destination from the token's own slot: block = slot // BLOCK_SIZE, "
+                              "offset = slot % BLOCK_SIZE, with the pool's strides")
+        raise CheckFailed(f"{case}: {pool} is not what the engine's cache write leaves there in "
+                          f"{len(per_slot)} slot(s).\n  First: {what}.\n  Hint: {advice}")
+    print(f"✓ {name}")
+
+
+def cache_write_checker(kernel):
+    """check_cache_write with the kernel fixed: checker(name, *make_cache_write(...), hint=...)."""
+    return partial(check_cache_write, kernel=kernel)

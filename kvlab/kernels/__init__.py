@@ -7,6 +7,7 @@
     triton_unified_attention  one kernel for a whole ragged step (chunked prefills, prefix hits, decodes); the decode is
                        its one-token case
     split_kv           split-KV decode for few long sequences: the split kernel and its reduce
+    cache_write        a step's new K/V stored into the pools at their slots (vLLM's reshape_and_cache)
     reference          the torch reference of the kernels' contract
     load_counter       the bytes a kernel requests, counted in the interpreter
     aot                compilation for a GPU that is not here (python -m kvlab.kernels.aot)
@@ -14,8 +15,14 @@
 The pools may also be int8 or float8_e4m3fn (an 8-bit PagedKVCache) with k_scale and v_scale.
 """
 
+from .cache_write import reshape_and_cache
 from .interpreter import RUNS_IN_INTERPRETER
-from .reference import gather_blocks, paged_attention_decode_reference, unified_attention_reference
+from .reference import (
+    gather_blocks,
+    paged_attention_decode_reference,
+    reshape_and_cache_reference,
+    unified_attention_reference,
+)
 from .split_kv import (
     allocate_split_workspace,
     choose_num_splits,
@@ -51,6 +58,8 @@ __all__ = [
     "paged_attention_decode_reference",
     "paged_attention_decode_split_kv",
     "quantized_cache_dtypes",
+    "reshape_and_cache",
+    "reshape_and_cache_reference",
     "split_plan",
     "unified_attention",
     "unified_attention_reference",

@@ -69,3 +69,15 @@ def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens
     query_start_loc = torch.arange(q.shape[0] + 1)
     return unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale,
                                        v_scale)
+
+
+def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping):
+    """The cache write in torch, as kvlab's engine stores a step's K/V: rows with slot -1 (padding) skipped.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim], changed in place; slot_mapping: [num_tokens] int64.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)

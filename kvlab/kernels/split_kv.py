@@ -125,7 +125,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     """How many ranges to split each sequence into: enough programs for about 4 per SM, none under 256 tokens.
 
     A decode program serves one (sequence, KV head) and its query-head group, so a split adds num_seqs x
-    num_kv_heads programs: vLLM's rule of thumb, split when those alone would leave most SMs idle.
+    num_kv_heads programs. This is kvlab's own rule. vLLM's Triton backend instead uses a fixed 16 segments,
+    only for decode-only batches of at most 128 // num_kv_heads sequences (snapped to a CUDA-graph capture
+    size): vllm/v1/attention/backends/triton_attn.py.
     """
     programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(4 * num_sms, programs)                 # small batches want more splits
