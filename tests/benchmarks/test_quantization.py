@@ -3,7 +3,15 @@
 import pytest
 
 from kvlab.analysis.kv_size import load_model_config
-from kvlab.benchmarks.quantization import compare_capacity, logit_and_perplexity_change, tokens_that_fit
+from kvlab.benchmarks.quantization import (
+    compare_capacity,
+    compare_kv_formats,
+    greedy_agreement,
+    held_out_prompts,
+    held_out_text,
+    logit_and_perplexity_change,
+    tokens_that_fit,
+)
 from kvlab.cache.kv_storage import block_bytes
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.paths import ASSETS_DIR
@@ -59,3 +67,46 @@ def test_unsupported_dtype_in_capacity_and_measurement(embedded):
         PagedKVCache.for_model(model, 4, 16, kv_cache_dtype="float64")
     with pytest.raises(ValueError, match="must not be negative"):
         tokens_that_fit(load_model_config("llama-3-8b"), -1, "int8")
+
+
+# --- per block against per token, on text the model never trained on ------------------------
+
+def test_held_out_prompts_come_from_the_validation_split_and_are_seeded():
+    """The last 10 % of the shipped text (tools/train_model.py validates on it, never trains on it)."""
+    text = (ASSETS_DIR / "text" / "shakespeare.txt").read_text(encoding="utf-8")
+    held = held_out_text()
+    assert held == text[int(0.9 * len(text)):] and len(held) > 100_000
+    prompts = held_out_prompts(5, prompt_chars=32, seed=3)
+    assert prompts == held_out_prompts(5, prompt_chars=32, seed=3) != held_out_prompts(5, prompt_chars=32, seed=4)
+    assert all(len(p) == 32 and p in held for p in prompts)
+    with pytest.raises(ValueError, match="num_prompts"):
+        held_out_prompts(0)
+
+
+def test_greedy_agreement_counts_positions_and_reuses_the_reference(embedded):
+    """Four held-out prompts, 24 tokens: the counts are consistent, and the reference run is shared."""
+    model, tokenizer = embedded
+    prompts = held_out_prompts(4, prompt_chars=40)
+    first, reference = greedy_agreement(model, tokenizer, prompts, "int8", max_tokens=24)
+    second, same_reference = greedy_agreement(model, tokenizer, prompts, "int8_per_token_head", max_tokens=24,
+                                              reference=reference)
+    assert same_reference is reference and len(reference) == 4 and all(len(r) == 24 for r in reference)
+    for a in (first, second):
+        assert a.num_tokens == 96 and a.num_requests == 4
+        assert a.tokens_before_divergence <= a.equal_tokens <= a.num_tokens
+        assert a.identical_requests * 24 <= a.tokens_before_divergence
+        assert a.share_equal == a.equal_tokens / 96
+    assert first.kv_cache_dtype == "int8" and second.kv_cache_dtype == "int8_per_token_head"
+
+
+def test_compare_kv_formats_reports_bytes_scales_and_both_measurements(embedded):
+    model, tokenizer = embedded
+    rows = compare_kv_formats(model, tokenizer, ("int8", "int8_per_token_head"), num_prompts=2, max_tokens=8,
+                              perplexity_chars=256)
+    by_name = {r.kv_cache_dtype: r for r in rows}
+    assert by_name["int8"].scale_granularity == "block" and by_name["int8_per_token_head"].scale_granularity == "token"
+    assert by_name["int8"].bytes_per_token == 1028 and by_name["int8_per_token_head"].bytes_per_token == 1088
+    assert by_name["int8_per_token_head"].llama3_8b_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    for row in rows:
+        assert row.agreement.num_tokens == 16 and row.perplexity.num_tokens == 256
+        assert abs(row.perplexity.relative_perplexity_change) < 0.01, row.perplexity
