@@ -63,11 +63,11 @@ def main(argv=None) -> dict:
 
     fitted = fits(medians)
     print("\nfits (least squares over the medians): t = a + b*T (+ c*R, R = cached K/V positions read)")
-    print("| fit over | a (ms per pass) | b (ms per token) | c (us per 1,000 K/V read) | a / b (tokens) | R^2 "
+    print("| fit over | a (ms per pass) | b (ms per token) | c (us per cached position read) | a / b (tokens) | R^2 "
           "| largest residual |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, f in fitted.items():
-        print(f"| {name} | {1e3 * f.a:.2f} | {1e3 * f.b:.3f} | {1e9 * f.c:.1f} | {f.break_even_tokens:.0f} "
+        print(f"| {name} | {1e3 * f.a:.2f} | {1e3 * f.b:.3f} | {1e6 * f.c:.2f} | {f.break_even_tokens:.0f} "
               f"| {f.r2:.3f} | {100 * f.max_relative_residual:.0f} % |")
     result = {
         "rounds": args.rounds, "threads": 1, "torch": torch.__version__,
