@@ -19,10 +19,12 @@ context, greedy, each to its output length. Arrivals and latencies on a virtual 
 step times (kvlab.benchmarks.replay: each step's CPU time, so other work on the machine does not
 inflate it; run with one torch thread, or the CPU time of several threads adds up), so a sweep takes
 minutes. Every system and rate is run once per --seeds (each seed draws other Poisson arrivals).
-Reported: normalized latency per system and rate (median over the seeds, and its range), the highest
-rate each sustains under --bound x paging's unloaded normalized latency (per seed, and on the median
-curves), and the paged / baseline ratios of those rates (the paper: 1.7-2.7x over Orca Oracle, 2.7-8x
-over Orca Max on ShareGPT). About 14 minutes for three seeds on a 2-core CPU::
+Reported: normalized latency per system and rate (median over the seeds, and its range); against a bound
+of --bound x paging's unloaded normalized latency, the highest measured rate each system sustains and the
+rate at which its curve crosses the bound (interpolated between the two rates around it, finer than the
+grid), on the median curves and seed by seed; and the paged / baseline ratios of the crossing rates (the
+paper: 1.7-2.7x over Orca Oracle, 2.7-8x over Orca Max on ShareGPT). 15-20 minutes for three seeds on
+a 2-core CPU; --from-json summarises a saved sweep again without measuring::
 
     OMP_NUM_THREADS=1 python benchmarks/figure12.py [--requests 64] [--num-blocks 64] [--bound 2]
         [--seeds 0 1 2] [--json benchmarks/saved/figure12.json]   (the saved sweep Chapter 9 plots)
@@ -77,14 +79,76 @@ def sustained_rates(curves: dict, bound_factor: float, reference: str) -> tuple[
              for s, c in curves.items()}, bound)
 
 
-def main(argv=None) -> dict:
+def crossing_rate(curve: dict, bound: float) -> float:
+    """The rate at which a curve first rises above `bound`, interpolated linearly between the last measured rate
+    within it and the first above it: a finer answer than the grid's own rates. 0 if even the lowest rate is above
+    the bound; the highest rate if none is."""
+    pairs = sorted(curve.items())
+    if pairs[0][1] > bound:
+        return 0.0
+    for (r0, l0), (r1, l1) in zip(pairs, pairs[1:]):
+        if l1 > bound:
+            return r0 + (r1 - r0) * (bound - l0) / (l1 - l0)
+    return pairs[-1][0]
+
+
+def summarise(by_seed: dict, bound_factor: float, requests: int, num_blocks: int, seconds: float | None) -> dict:
+    """The report of a sweep from each seed's curves {seed: {system: {rate: s/token}}}: median curves, sustained
+    and crossing rates (median curves and per seed), paged / baseline ratios; printed side by side."""
     import statistics
 
-    from tqdm.std import tqdm
+    seeds = list(by_seed)
+    systems = list(by_seed[seeds[0]])
+    rates = sorted(by_seed[seeds[0]][systems[0]])
+    reference = "paged" if "paged" in systems else systems[0]
+    curves = {s: {r: statistics.median(by_seed[seed][s][r] for seed in seeds) for r in rates} for s in systems}
+    sustained, bound = sustained_rates(curves, bound_factor, reference)
+    sustained_by_seed = {seed: sustained_rates(by_seed[seed], bound_factor, reference)[0] for seed in seeds}
+    crossing = {s: crossing_rate(c, bound) for s, c in curves.items()}
+    crossing_by_seed = {}
+    for seed in seeds:
+        own_bound = bound_factor * by_seed[seed][reference][rates[0]]
+        crossing_by_seed[seed] = {s: crossing_rate(c, own_bound) for s, c in by_seed[seed].items()}
 
-    from kvlab import load_model
-    from kvlab.benchmarks.latency import normalized_latency
+    took = f" ({seconds:.0f} s)" if seconds else ""
+    print(f"\n{requests} chat-trace requests, {num_blocks} blocks of {BLOCK_SIZE} tokens of KV memory, seeds {seeds}; "
+          f"normalized latency in ms per output token, median over the seeds [lowest-highest]{took}")
+    print(f"{'rate (req/s)':>12} " + " ".join(f"{s:>21}" for s in systems))
+    for rate in rates:
+        cells = []
+        for s in systems:
+            runs = [by_seed[seed][s][rate] * 1e3 for seed in seeds]
+            cells.append(f"{curves[s][rate] * 1e3:8.2f} [{min(runs):5.2f}-{max(runs):5.2f}]")
+        print(f"{rate:>12g} " + " ".join(f"{c:>21}" for c in cells))
+    print(f"\nthe bound: {bound_factor:g}x {reference}'s normalized latency at {rates[0]:g} req/s (median curves: "
+          f"{bound * 1e3:.2f} ms/token; each seed against its own {reference} run)")
+    print(f"{'system':<12} {'highest rate within':>20} {'per seed':>18} {'crossing (interp.)':>19} {'per seed':>20}")
+    for s in systems:
+        print(f"{s:<12} {sustained[s]:>14g} req/s {str([sustained_by_seed[seed][s] for seed in seeds]):>18} "
+              f"{crossing[s]:>13.1f} req/s {str([round(crossing_by_seed[seed][s], 1) for seed in seeds]):>20}")
+    ratios = {}
+    if reference == "paged":
+        for s in systems:
+            if s == "paged":
+                continue
+            per_seed = [crossing_by_seed[seed]["paged"] / crossing_by_seed[seed][s]
+                        for seed in seeds if crossing_by_seed[seed][s] > 0]
+            ratios[s] = {"crossing_median_curves": crossing["paged"] / crossing[s] if crossing[s] > 0 else None,
+                         "crossing_per_seed": per_seed}
+            if crossing[s] > 0:
+                print(f"  paged / {s}: {crossing['paged'] / crossing[s]:.2f}x at the crossing of the median curves, "
+                      f"per seed {', '.join(f'{r:.2f}x' for r in per_seed)}")
+    return {"curves_s_per_token": {s: {str(r): v for r, v in c.items()} for s, c in curves.items()},
+            "curves_by_seed": {str(seed): {s: {str(r): v for r, v in c.items()} for s, c in by_seed[seed].items()}
+                               for seed in seeds},
+            "bound_s_per_token": bound, "sustained_rate": sustained,
+            "sustained_by_seed": {str(seed): v for seed, v in sustained_by_seed.items()},
+            "crossing_rate": crossing, "crossing_by_seed": {str(seed): v for seed, v in crossing_by_seed.items()},
+            "ratios": ratios, "seeds": seeds, "requests": requests, "num_blocks": num_blocks,
+            "block_size": BLOCK_SIZE, "seconds": None if seconds is None else round(seconds, 1)}
 
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=64, help="KV memory: blocks of 16 tokens (64 = 4 x 256)")
@@ -94,10 +158,33 @@ def main(argv=None) -> dict:
                         help="a rate is sustained while normalized latency <= bound x paging's at the lowest rate")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one run of every system and rate per seed (the Poisson arrivals differ)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="measure nothing: summarise the per-seed curves of a saved sweep again")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "saved" / "figure12.json")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be distinct, got {args.seeds}")
+
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        by_seed = {int(seed): {s: {float(r): v for r, v in c.items()} for s, c in curves.items()}
+                   for seed, curves in saved["curves_by_seed"].items()}
+        report = summarise(by_seed, args.bound, saved["requests"], saved["num_blocks"], saved.get("seconds"))
+    else:
+        by_seed, elapsed = measure(args)
+        report = summarise(by_seed, args.bound, args.requests, args.num_blocks, elapsed)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return report
+
+
+def measure(args) -> tuple[dict, float]:
+    """Every system at every rate, once per seed: ({seed: {system: {rate: normalized latency}}}, seconds)."""
+    from tqdm.std import tqdm
+
+    from kvlab import load_model
+    from kvlab.benchmarks.latency import normalized_latency
 
     model, tokenizer = load_model()
     prompts, lens = workload(tokenizer, args.requests)
@@ -113,50 +200,7 @@ def main(argv=None) -> dict:
                 by_seed[seed][system][rate] = normalized_latency(timings)
                 bar.update(1)
     bar.close()
-    elapsed = time.perf_counter() - started
-    reference = "paged" if "paged" in args.systems else args.systems[0]
-    curves = {s: {r: statistics.median(by_seed[seed][s][r] for seed in args.seeds) for r in args.rates}
-              for s in args.systems}
-    sustained, bound = sustained_rates(curves, args.bound, reference)
-    sustained_by_seed = {seed: sustained_rates(by_seed[seed], args.bound, reference)[0] for seed in args.seeds}
-
-    print(f"\n{args.requests} chat-trace requests, {args.num_blocks} blocks of {BLOCK_SIZE} tokens of KV memory, "
-          f"seeds {args.seeds}; normalized latency in ms per output token, median over the seeds [lowest-highest] "
-          f"({elapsed:.0f} s)")
-    print(f"{'rate (req/s)':>12} " + " ".join(f"{s:>21}" for s in args.systems))
-    for rate in args.rates:
-        cells = []
-        for s in args.systems:
-            runs = [by_seed[seed][s][rate] * 1e3 for seed in args.seeds]
-            cells.append(f"{curves[s][rate] * 1e3:8.2f} [{min(runs):5.2f}-{max(runs):5.2f}]")
-        print(f"{rate:>12g} " + " ".join(f"{c:>21}" for c in cells))
-    print(f"\nhighest rate with normalized latency <= {args.bound:g}x {reference}'s at {min(args.rates):g} req/s "
-          f"(median curves: {bound * 1e3:.2f} ms/token; each seed against its own {reference} run):")
-    for s in args.systems:
-        print(f"  {s:<12} {sustained[s]:g} req/s   per seed: {[sustained_by_seed[seed][s] for seed in args.seeds]}")
-    ratios = {}
-    if "paged" in sustained:
-        for s in args.systems:
-            if s == "paged":
-                continue
-            per_seed = [sustained_by_seed[seed]["paged"] / sustained_by_seed[seed][s]
-                        for seed in args.seeds if sustained_by_seed[seed][s] > 0]
-            median_ratio = sustained["paged"] / sustained[s] if sustained[s] > 0 else None
-            ratios[s] = {"median_curves": median_ratio, "per_seed": per_seed}
-            if median_ratio is not None:
-                print(f"  paged / {s}: {median_ratio:.2f}x on the median curves, per seed "
-                      f"{', '.join(f'{r:.2f}x' for r in per_seed)}")
-    report = {"curves_s_per_token": {s: {str(r): v for r, v in c.items()} for s, c in curves.items()},
-              "curves_by_seed": {str(seed): {s: {str(r): v for r, v in c.items()} for s, c in by_seed[seed].items()}
-                                 for seed in args.seeds},
-              "bound_s_per_token": bound, "sustained_rate": sustained,
-              "sustained_by_seed": {str(seed): v for seed, v in sustained_by_seed.items()},
-              "ratios": ratios, "seeds": args.seeds, "requests": args.requests,
-              "num_blocks": args.num_blocks, "block_size": BLOCK_SIZE, "seconds": round(elapsed, 1)}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}")
-    return report
+    return by_seed, time.perf_counter() - started
 
 
 if __name__ == "__main__":

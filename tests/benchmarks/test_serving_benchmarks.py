@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,6 +39,26 @@ def test_figure12_reports_the_median_and_every_seed(tmp_path):
         assert report["curves_s_per_token"][system]["1000.0"] == runs[1], "the median of three runs is the middle one"
     assert set(report["sustained_by_seed"]) == {"4", "5", "6"}
     assert json.loads(out.read_text())["curves_by_seed"] == report["curves_by_seed"]
+
+
+def test_figure12_interpolates_where_a_curve_crosses_the_bound(tmp_path):
+    """Between the last rate within the bound and the first above it, the crossing is interpolated linearly;
+    --from-json summarises a saved sweep again without measuring anything."""
+    figure12 = load("figure12")
+    assert figure12.crossing_rate({1.0: 1.0, 2.0: 1.5, 4.0: 3.0}, 2.0) == pytest.approx(2 + 2 * 0.5 / 1.5)
+    assert figure12.crossing_rate({1.0: 3.0, 2.0: 4.0}, 2.0) == 0.0, "above the bound from the lowest rate on"
+    assert figure12.crossing_rate({1.0: 1.0, 2.0: 1.5}, 2.0) == 2.0, "never above it: the highest rate"
+    saved = {"requests": 3, "num_blocks": 8, "seconds": 1.0, "curves_by_seed": {
+        "0": {"paged": {"1.0": 1.0, "2.0": 1.5, "4.0": 3.0}, "orca-max": {"1.0": 1.2, "2.0": 2.5, "4.0": 5.0}},
+        "1": {"paged": {"1.0": 1.0, "2.0": 1.6, "4.0": 2.8}, "orca-max": {"1.0": 1.1, "2.0": 2.2, "4.0": 4.0}}}}
+    (tmp_path / "in.json").write_text(json.dumps(saved))
+    report = figure12.main(["--from-json", str(tmp_path / "in.json"), "--bound", "2",
+                            "--json", str(tmp_path / "o.json")])
+    assert report["curves_s_per_token"]["paged"]["2.0"] == pytest.approx(1.55), "the median of two runs is their mean"
+    assert report["crossing_by_seed"]["0"]["paged"] == pytest.approx(2 + 2 * 0.5 / 1.5)
+    assert report["crossing_by_seed"]["0"]["orca-max"] == pytest.approx(1 + 0.8 / 1.3)
+    ratio = report["ratios"]["orca-max"]["crossing_per_seed"][0]
+    assert ratio == pytest.approx((2 + 2 * 0.5 / 1.5) / (1 + 0.8 / 1.3))
 
 
 def test_chunked_prefill_reports_each_budget(tmp_path):
