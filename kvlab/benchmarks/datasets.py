@@ -76,7 +76,12 @@ def prompts_from_text(requests: list[TraceRequest], text: str, tokenize) -> list
 
 
 def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
-    """Arrival times (s) of num requests at `rate` per second; all at 0 for an infinite rate."""
+    """Arrival times (s) of num requests at `rate` per second: the first at 0, then exponential gaps of mean 1/rate
+    (one seeded draw each); all at 0 for an infinite rate.
+
+    vLLM's `vllm bench serve` draws gamma gaps (--burstiness, 1 = exponential), the first one before the first
+    request, and rescales them so that the last request goes out at exactly num / rate; this does not rescale.
+    """
     if rate <= 0:
         raise ValueError(f"rate must be > 0 requests per second, got {rate}")
     rng = random.Random(seed)
