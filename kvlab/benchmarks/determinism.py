@@ -192,7 +192,7 @@ def run_determinism_experiment(model, tokenizer, prompts: list[str], max_tokens:
     threshold = max(1, min(128 // num_kv_heads, len(prompts) - 1))
     rows = []
     for rule in rules:
-        def engine(max_num_seqs, caching):
+        def engine(max_num_seqs, caching, rule=rule):
             llm = LLM(model, tokenizer, block_size=block_size, num_blocks=len(prompts) * (
                 (max_tokens + 256) // block_size + 1), max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(2048, max_num_seqs * 64), enable_prefix_caching=caching,

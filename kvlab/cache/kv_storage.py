@@ -383,7 +383,7 @@ class PerTokenHeadKVStorage(QuantizedKVStorage):
 
     def _quantize_into(self, pool: torch.Tensor, scales: torch.Tensor, static: bool, x: torch.Tensor,
                        slot_mapping: torch.Tensor, plan=None, ok=None) -> None:
-        """Quantise x [T, Hkv, D] into pool at slot_mapping with each (token, head)'s own scale; ok as the base class's."""
+        """Quantise x [T, Hkv, D] into pool at slot_mapping, each (token, head) at its own scale (ok: as above)."""
         scale = (x.abs().amax(dim=-1).float() / self.qmax).clamp_min(SCALE_FLOOR)  # [T, Hkv]
         stored = quantize(x, scale, self.kv_cache_dtype)
         flat_pool = pool.view(self.num_slots, *pool.shape[2:])

@@ -89,7 +89,7 @@ class PagedKVCache:
 
     @property
     def k_scales(self) -> list[torch.Tensor]:
-        """K's scale per layer, [num_blocks, Hkv] float32 ([num_blocks, block_size, Hkv] per token); empty unless 8-bit."""
+        """K's scales per layer: [num_blocks, Hkv] float32, or per token [num_blocks, block_size, Hkv]."""
         return self.storage.k_scales
 
     @property
