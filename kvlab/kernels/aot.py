@@ -12,7 +12,8 @@ a fresh process (`python -m kvlab.kernels.aot`, as the CI test does): once a ker
 interpreter, Triton leaves triton.language patched for it and compiling in that process fails.
 
 The kernels are the unified paged-attention kernel (chunked prefills and decodes,
-kvlab.kernels.triton_unified_attention) and the split-KV decode pair (kvlab.kernels.split_kv). Besides
+kvlab.kernels.triton_unified_attention), the split-KV decode pair (kvlab.kernels.split_kv) and the cache
+write (kvlab.kernels.cache_write, in the pools' own dtype). Besides
 fp32 / fp16 / bf16 pools, the unified and split-KV kernels are compiled for quantized pools
 (QUANTIZED=True): int8 on every target, fp8 e4m3 (Triton's fp8e4nv, torch.float8_e4m3fn) from sm_89
 on, the first NVIDIA GPUs that convert it in hardware: Triton 3.7 refuses fp8e4nv below sm_89 ("type fp8e4nv
@@ -41,6 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from . import cache_write as cw
 from . import interpreter
 from . import split_kv as sk
 from . import triton_unified_attention as ua
@@ -174,7 +176,14 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAU
               "seq_lens_ptr": "*i32", "tokens_per_split": "i32", "num_splits": "i32",
               "stride_out_seq": "i32", "stride_out_head": "i32"}
     reduce_consts = {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "NUM_SPLITS_PAD": 16}
-    return kernels + [(sk.split_reduce_kernel, reduce, reduce_consts, 4)]  # the launcher's num_warps for the reduce
+    num_kv_heads = 8  # Llama-3-8B's, as queries_per_kv above
+    write = {"key_ptr": io, "value_ptr": io, "k_cache_ptr": io, "v_cache_ptr": io, "slot_mapping_ptr": "*i64",
+             "stride_key_tok": "i32", "stride_key_head": "i32", "stride_value_tok": "i32", "stride_value_head": "i32",
+             "stride_cache_block": "i32", "stride_cache_slot": "i32", "stride_cache_head": "i32"}
+    write_consts = {"NUM_KV_HEADS": num_kv_heads, "NUM_KV_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+                    "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size}
+    return kernels + [(sk.split_reduce_kernel, reduce, reduce_consts, 4),  # the launcher's num_warps for the reduce
+                      (cw.reshape_and_cache_kernel, write, write_consts, 4)]
 
 
 def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None,

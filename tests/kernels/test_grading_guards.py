@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvlab.kernels.interpreter import RUNS_IN_INTERPRETER, triton
+from kvlab.kernels.interpreter import RUNS_IN_INTERPRETER, triton, triton_language_as
 from kvlab.kernels.load_counter import OutOfBounds, out_of_bounds_cause, refuse_out_of_bounds
 
 pytestmark = pytest.mark.skipif(not RUNS_IN_INTERPRETER, reason="the guards watch the interpreter's loads and stores")
@@ -40,7 +40,8 @@ def store_at(out_ptr, offset):
 
 def test_a_load_far_outside_every_tensor_is_refused_before_it_is_read():
     x, out = torch.arange(8.0), torch.zeros(4)
-    with refuse_out_of_bounds(x=x, out=out):
+    # triton_language_as: tl's own helpers in the interpreter's mode, whatever another test imported first.
+    with triton_language_as(interpreted=True), refuse_out_of_bounds(x=x, out=out):
         copy_at[(1,)](x, out, 4)                       # lanes 4-7 of x: inside
         assert out.tolist() == [4.0, 5.0, 6.0, 7.0]
         with pytest.raises(Exception) as raised:
@@ -53,7 +54,7 @@ def test_a_load_far_outside_every_tensor_is_refused_before_it_is_read():
 def test_a_store_just_before_a_tensor_is_refused_and_writes_nothing():
     pool = torch.ones(16)
     view = pool[4:]                                     # the kernel is given only this part
-    with refuse_out_of_bounds(out=view), pytest.raises(Exception) as raised:
+    with triton_language_as(interpreted=True), refuse_out_of_bounds(out=view), pytest.raises(Exception) as raised:
         store_at[(1,)](view, -1)                        # slot -1 written without a check
     assert out_of_bounds_cause(raised.value) is not None, "a store before the tensor must be refused"
     assert torch.equal(pool, torch.ones(16)), "the refused store must not have written anything"
@@ -71,7 +72,7 @@ def test_a_learner_kernel_reading_outside_its_tensors_fails_its_check_with_a_mes
         # The slot used as an element offset into key: far past key's end for large slots.
         tl.store(k_cache_ptr + slot * stride_cache_slot + dims, tl.load(key_ptr + slot * 4096 + dims))
 
-    with pytest.raises(kc.CheckFailed, match="outside every tensor passed to the kernel"):
+    with triton_language_as(interpreted=True), pytest.raises(kc.CheckFailed, match="outside every tensor passed"):
         kc.check_cache_write("wild", *kc.make_cache_write([40, 3]), kernel=by_position)
 
 
@@ -94,7 +95,7 @@ def test_a_kernel_that_writes_into_an_input_fails_its_check():
                   HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         tl.store(slot_mapping_ptr + tl.program_id(0), -1)
 
-    with pytest.raises(kc.CheckFailed, match="changed its input slot_mapping"):
+    with triton_language_as(interpreted=True), pytest.raises(kc.CheckFailed, match="changed its input slot_mapping"):
         kc.check_cache_write("scribbles", *kc.make_cache_write([4, 9]), kernel=scribbles)
 
 
@@ -113,5 +114,5 @@ def test_kvlab_s_reference_refuses_to_run_inside_a_checked_kernel():
     import kvlab.kernels
 
     REACHED["write"] = kvlab.kernels.reshape_and_cache_reference   # reached through a dict, not by name
-    with pytest.raises(kc.CheckFailed, match="refuses to run"):
+    with triton_language_as(interpreted=True), pytest.raises(kc.CheckFailed, match="refuses to run"):
         kc.check_cache_write("borrows", *kc.make_cache_write([4, 9]), kernel=borrows)
