@@ -37,7 +37,8 @@ def _routes():
     """Learner functions that reach residual_distribution without naming it in a global."""
     in_partial = functools.partial(residual_distribution)
     in_namespace = types.SimpleNamespace(fn=residual_distribution)
-    in_list, in_dict, in_instance = [residual_distribution], {"fn": residual_distribution}, Holder(residual_distribution)
+    in_list, in_dict = [residual_distribution], {"fn": residual_distribution}
+    in_instance = Holder(residual_distribution)
 
     def via_partial(p, q):
         return in_partial(p, q)
