@@ -79,8 +79,9 @@ KNOBS = [
          "The storage dtype of K and V. vLLM offers fp8 (fp8_e4m3, fp8_e5m2) with per-layer scales, "
          "about twice the tokens of fp16, and (since 2026) KV caches with a scale per token and head: "
          "int8_per_token_head, fp8_per_token_head and int4_per_token_head, besides nvfp4. "
-         "kvlab's engine and LLM take \"auto\", \"int8\" or \"fp8_e4m3\" (\"fp8\"), "
-         "with a scale per (block, KV head), so the same kv_cache_memory holds about twice the blocks of fp16."),
+         "kvlab's engine and LLM take \"auto\", \"int8\" or \"fp8_e4m3\" (\"fp8\") with a scale per (block, KV "
+         "head), and vLLM's \"int8_per_token_head\" and \"fp8_per_token_head\": the same kv_cache_memory holds "
+         "about twice the blocks of fp16."),
 ]
 
 
