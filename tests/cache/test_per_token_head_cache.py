@@ -186,3 +186,19 @@ def test_the_engine_refuses_vllms_int4_per_token_head_by_name(embedded):
     model, tokenizer = embedded
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'int4_per_token_head'"):
         LLM(model, tokenizer, num_blocks=8, kv_cache_dtype="int4_per_token_head")
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_keeps_the_output_with_per_token_scales(embedded, preemption_mode):
+    """8 blocks for 4 requests: preempted and resumed (recomputed, or swapped out and in with their per-token
+    scales), every output equals the roomy pool's."""
+    model, tokenizer = embedded
+    prompts = ["OTHELLO.\n", "HAMLET.\nTo be, or not", "KING LEAR.\nNothing will come of nothing.\n", "ROMEO.\n"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(model, tokenizer, num_blocks=64, kv_cache_dtype="int8_per_token_head")
+    tight = LLM(model, tokenizer, num_blocks=8, max_num_seqs=4, kv_cache_dtype="int8_per_token_head",
+                preemption_mode=preemption_mode)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.llm_engine.scheduler.num_preemptions > 0, "set-up: the tight pool must preempt"
+    assert got == expected
