@@ -18,8 +18,8 @@ from kvlab.entrypoints.openai.api_server import build_app
 class BackgroundServer:
     """uvicorn serving build_app(AsyncLLM(engine)) on host:port (0: a free port) in a daemon thread."""
 
-    def __init__(self, engine, model_name: str = "kvlab-embedded", host: str = "127.0.0.1", port: int = 0,
-                 start_timeout_s: float = 30.0):
+    def __init__(self, engine, model_name: str | list[str] = "kvlab-embedded", host: str = "127.0.0.1",
+                 port: int = 0, start_timeout_s: float = 30.0):
         import uvicorn
 
         if port == 0:
@@ -29,7 +29,8 @@ class BackgroundServer:
         self.engine = engine
         self.async_llm = AsyncLLM(engine)
         self.app = build_app(self.async_llm, model_name, engine.tokenizer)
-        self.model_name, self.base_url = model_name, f"http://{host}:{port}"
+        self.model_name = model_name if isinstance(model_name, str) else model_name[0]  # the name answers carry
+        self.base_url = f"http://{host}:{port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="error"))
         self._thread = threading.Thread(target=self._server.run, name="kvlab-server", daemon=True)
         self._thread.start()

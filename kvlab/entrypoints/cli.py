@@ -24,7 +24,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server", "where and how the HTTP server listens")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the name(s) clients send as 'model' (vLLM's flag): answers carry the first; "
+                             "default the model argument, or kvlab-embedded")
     server.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -40,8 +42,8 @@ def build_server(args: argparse.Namespace):
     model_config = config.model_config
     model, tokenizer = load_model(args.model, dtype=model_config.torch_dtype, device=model_config.device)
     async_llm = AsyncLLM(LLMEngine(model, tokenizer, config))
-    name = args.served_model_name or (args.model or "kvlab-embedded")
-    return build_app(async_llm, name, tokenizer), async_llm
+    names = args.served_model_name or [args.model or "kvlab-embedded"]
+    return build_app(async_llm, names, tokenizer), async_llm
 
 
 def main(argv=None) -> None:

@@ -105,7 +105,7 @@ def test_n_seeded_samples(served, client):
 
 @pytest.mark.parametrize("body, status, words", [
     ("{not json", 400, "not valid JSON"),
-    ({"model": MODEL, "prompt": "a", "best_of": 2}, 400, "unknown field 'best_of'"),
+    ({"model": MODEL, "prompt": "a", "best_of": 2}, 400, "best_of: kvlab does not rank completions"),
     ({"model": "gpt-9", "prompt": "a"}, 404, "does not exist"),
     ({"model": MODEL, "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "a", "temperature": "warm"}, 400, "temperature"),
@@ -125,7 +125,10 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(served, client,
                           headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert words in error["message"] and error["type"], error
+    assert words in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, (
+        f"vLLM's error body has message, type, param and code (the HTTP status), got {error}")
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
     assert client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=3).choices[0].text
 
 

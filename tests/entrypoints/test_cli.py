@@ -24,6 +24,13 @@ def test_vllm_spellings():
     assert parse().enable_prefix_caching is True and parse("--enable-prefix-caching").enable_prefix_caching
 
 
+def test_served_model_name_as_vllm_spells_it():
+    assert parse().served_model_name is None, "unset: the served name is the model argument (or kvlab-embedded)"
+    assert parse("--served-model-name", "bard").served_model_name == ["bard"]
+    assert parse("--served-model-name", "bard", "kvlab-embedded").served_model_name == ["bard", "kvlab-embedded"], (
+        "vLLM's flag takes one or more names; answers carry the first")
+
+
 def test_byte_counts():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1G") == 2**30 and parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError, match="byte count"):

@@ -15,26 +15,85 @@ from kvlab.entrypoints.prometheus import exposition
 # ----- request schemas -----
 
 
-def test_completion_defaults_are_openais():
+def test_completion_defaults_are_vllms():
     body = CompletionRequest(prompt="hi")
-    assert (body.max_tokens, body.temperature, body.top_p, body.n, body.stream) == (16, 1.0, 1.0, 1, False)
-    assert body.stop is None and body.top_k == 0 and body.ignore_eos is False
+    assert (body.max_tokens, body.n, body.stream) == (16, 1, False), "OpenAI's defaults for completions"
+    assert (body.temperature, body.top_p, body.top_k) == (None, None, None), (
+        "left unset, as vLLM leaves them, so the server applies its defaults (temperature 1, top_p 1, top_k off)")
+    assert body.stop == [] and body.ignore_eos is False and body.unsupported() == [] and body.ignored() == []
+
+
+# What vllm bench serve's completions client sends (vllm/benchmarks/lib/endpoint_request_func.py).
+VLLM_BENCH_COMPLETION = {"model": "m", "prompt": "a", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def test_vllm_bench_payloads_are_accepted_as_they_are():
+    body = CompletionRequest(**VLLM_BENCH_COMPLETION)
+    assert body.unsupported() == [] and body.ignored() == [], "repetition_penalty 1.0 asks for nothing: no warning"
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                 max_completion_tokens=8, stream=True, stream_options={"include_usage": True},
+                                 ignore_eos=True)
+    assert chat.messages[0].text == "a" and chat.unsupported() == [] and chat.ignored() == []
+    assert CompletionRequest(prompt="a", stream=True, stream_options={}).stream_options.include_usage is True, (
+        "vLLM's StreamOptions includes usage by default once stream_options is sent")
+
+
+def test_fields_kvlab_does_not_apply_are_named_for_the_warning():
+    body = CompletionRequest(prompt="a", repetition_penalty=1.2, min_p=0.05, presence_penalty=0.0,
+                             logit_bias={}, my_own_field=1, stream=True, stream_options={"include_usage": True,
+                                                                                        "future_option": 2})
+    assert body.ignored() == ["repetition_penalty=1.2", "min_p=0.05", "my_own_field", "stream_options.future_option"], (
+        "neutral values (presence_penalty 0, an empty logit_bias) change nothing and are not worth a warning")
+    assert CompletionRequest(prompt="a", min_tokens=4, ignore_eos=True).ignored() == [], (
+        "min_tokens holds anyway when nothing can end the request early (ignore_eos, no stops)")
+    assert CompletionRequest(prompt="a", min_tokens=4).ignored() == ["min_tokens=4"]
 
 
 @pytest.mark.parametrize("fields, where", [
-    (dict(prompt="a", best_of=2), "best_of"),          # unknown fields are refused, not ignored
+    (dict(prompt="a", logprobs=1), "logprobs"),
+    (dict(prompt="a", logprobs=0), "logprobs"),
+    (dict(prompt="a", n=1, best_of=2), "best_of"),
+    (dict(prompt="a", suffix="end"), "suffix"),
+    (dict(prompt="a", use_beam_search=True), "use_beam_search"),
+    (dict(prompt="a", response_format={"type": "json_object"}), "response_format"),
+])
+def test_answers_kvlab_cannot_give_are_named(fields, where):
+    assert [f for f, _ in CompletionRequest(**fields).unsupported()] == [where]
+
+
+def test_chat_answers_kvlab_cannot_give_are_named():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert [f for f, _ in ChatCompletionRequest(messages=msgs, logprobs=True).unsupported()] == ["logprobs"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert [f for f, _ in ChatCompletionRequest(messages=msgs, tools=tools).unsupported()] == ["tool_choice"], (
+        "tools without tool_choice mean 'auto', which needs a tool-call parser")
+    assert ChatCompletionRequest(messages=msgs, tools=tools, tool_choice="none").unsupported() == []
+    assert CompletionRequest(prompt="a", n=2, best_of=2).unsupported() == [], "best_of equal to n asks for nothing"
+
+
+@pytest.mark.parametrize("fields, where", [
     (dict(prompt="a", max_tokens=0), "max_tokens"),
-    (dict(prompt="a", temperature=2.5), "temperature"),
+    (dict(prompt="a", max_tokens=-3), "max_tokens"),
+    (dict(prompt="a", temperature=-0.5), "temperature"),
+    (dict(prompt="a", temperature="warm"), "temperature"),
     (dict(prompt="a", top_p=0), "top_p"),
     (dict(prompt="a", top_k=-2), "top_k"),
-    (dict(prompt="a", n=17), "n"),
-    (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(prompt="a", n=0), "n"),
     (dict(prompt="a", stop=[""]), "stop"),
     (dict(prompt=[]), "prompt"),
-    (dict(prompt="a", echo=True), "echo"),
-    (dict(prompt="a", logprobs=1), "logprobs"),
+    (dict(prompt=5), "prompt"),
+    (dict(prompt=[1, "a"]), "prompt"),
+    (dict(prompt="a", logprobs=-1), "logprobs"),
+    (dict(prompt="a", repetition_penalty=0), "repetition_penalty"),
+    (dict(prompt="a", min_p=1.5), "min_p"),
+    (dict(prompt="a", presence_penalty=3), "presence_penalty"),
+    (dict(prompt="a", min_tokens=-1), "min_tokens"),
+    (dict(prompt="a", max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(prompt="a", stream_options={"include_usage": True}), "stream_options"),
+    (dict(prompt="a", stream=True, stream_options={"include_usage": "yes please"}), "include_usage"),
 ])
-def test_bad_completion_fields_are_refused(fields, where):
+def test_malformed_completion_fields_are_refused(fields, where):
     with pytest.raises(ValidationError) as err:
         CompletionRequest(**fields)
     assert where in str(err.value)
@@ -44,15 +103,32 @@ def test_prompt_forms_and_stop_normalisation():
     assert CompletionRequest(prompt=[[1, 2], [3]]).prompt == [[1, 2], [3]]
     assert CompletionRequest(prompt=["a", "b"]).prompt == ["a", "b"]
     assert CompletionRequest(prompt="a", stop="x").stop == ["x"], "one stop string becomes a list of one"
+    assert CompletionRequest(prompt="a", stop=["a", "b", "c", "d", "e"]).stop == ["a", "b", "c", "d", "e"], (
+        "vLLM takes any number of stop strings (OpenAI's limit of 4 is not vLLM's)")
 
 
 def test_chat_requests():
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5)
     assert body.max_completion_tokens == 5 and body.max_tokens is None
     for messages, where in [([], "messages"), ([{"role": "king", "content": "x"}], "role"),
-                            ([{"role": "user"}], "content")]:
+                            ([{"role": "user"}], "needs content"), ([{"role": "user", "content": 5}], "content"),
+                            ([{"role": "user", "content": []}], "empty list"),
+                            ([{"role": "user", "content": [{"type": "text"}]}], "needs a 'text' string"),
+                            ([{"role": "user", "content": ["hi"]}], "must be an object with a 'type'"),
+                            ([{"role": "user", "content": [{"type": "sound", "text": "x"}]}], "unknown content part"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                             "text-only")]:
         with pytest.raises(ValidationError, match=where):
             ChatCompletionRequest(messages=messages)
+
+
+def test_content_parts_become_one_text_per_message():
+    body = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "A court."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Speak."}, {"type": "input_text", "text": "Now."}]},
+        {"role": "assistant", "content": None, "tool_calls": []}])
+    assert [m.text for m in body.messages] == ["A court.", "Speak.\nNow.", ""], (
+        "text parts are joined with newlines, as vLLM joins them for a text-only model; an assistant may have none")
 
 
 # ----- the chat template -----
@@ -106,5 +182,6 @@ def test_an_engine_refusal_becomes_a_400_naming_its_field():
     err = OpenAIError.rejected(RequestRejected("the prompt of 300 tokens leaves no room", "prompt"))
     body = json.loads(err.response().body)
     assert err.status == 400 and body == {"error": {"message": "the prompt of 300 tokens leaves no room",
-                                                    "type": "invalid_request_error", "param": "prompt",
-                                                    "code": None}}
+                                                    "type": "BadRequestError", "param": "prompt",
+                                                    "code": 400}}, "vLLM's error body: code is the HTTP status"
+    assert OpenAIError(404, "no such model").body()["error"]["type"] == "NotFoundError"

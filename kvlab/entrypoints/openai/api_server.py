@@ -6,16 +6,19 @@
     POST /v1/chat/completions    messages through the chat template (serving_chat, chat_template)
     GET  /metrics                Prometheus text, vLLM's metric names
 
-Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status:
-malformed JSON, unknown fields, wrong types and out-of-range values (400), an unknown model (404),
-a prompt beyond the context (400). One bad request never stops the others (serving_engine).
+Requests take every shape OpenAI's API and vLLM accept (protocol: content as a string or text parts,
+vLLM's stream options and extra sampling fields, unknown fields ignored with a logged warning).
+Errors have vLLM's body, {"error": {"message", "type", "param", "code"}} with code the HTTP status:
+malformed JSON, wrong types and out-of-range values (400), what kvlab cannot answer such as logprobs
+or an image part (400), an unknown model (404), a prompt beyond the context (400). One bad request
+never stops the others (serving_engine).
 """
 
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvlab.engine.async_llm import AsyncLLM
 from kvlab.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,12 +28,15 @@ from kvlab.entrypoints.openai.serving_engine import OpenAIError, validation_erro
 from kvlab.entrypoints.prometheus import exposition
 
 
-def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
-    """The FastAPI app serving async_llm's engine under model_name."""
+def build_app(async_llm: AsyncLLM, model_name: str | list[str], tokenizer) -> FastAPI:
+    """The FastAPI app serving async_llm's engine under model_name (or several names, the first one answering)."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"the served model name must be one or more non-empty strings, got {model_name!r}")
     app = FastAPI(title="kvlab", description="kvlab's OpenAI-compatible server")
     app.state.async_llm = async_llm
-    completions = OpenAIServingCompletion(async_llm, model_name)
-    chat = OpenAIServingChat(async_llm, model_name, tokenizer)
+    completions = OpenAIServingCompletion(async_llm, names)
+    chat = OpenAIServingChat(async_llm, names, tokenizer)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -43,18 +49,18 @@ def build_app(async_llm: AsyncLLM, model_name: str, tokenizer) -> FastAPI:
     @app.get("/health")
     async def health():
         if async_llm.errored is not None:
-            return JSONResponse(status_code=503, content={"error": {"message": repr(async_llm.errored),
-                                                                    "type": "internal_error"}})
+            return OpenAIError(503, f"the engine loop has stopped: {async_llm.errored!r}").response()
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "kvlab", "max_model_len": async_llm.engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvlab", "root": names[0],
+                                            "max_model_len": async_llm.engine.max_model_len} for name in names]}
 
     @app.get("/metrics")
     async def metrics():
-        body = exposition(await async_llm.get_metrics(), model_name)
+        body = exposition(await async_llm.get_metrics(), names[0])
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")

@@ -14,7 +14,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """The completions endpoint of one served model."""
 
     async def create_completion(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
+        self.check_request(body)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -22,17 +22,25 @@ class OpenAIServingCompletion(OpenAIServing):
         base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
 
-        if body.stream:
-            def chunk(index, delta, reason, usage=None):
-                if usage is not None:
-                    return {**head, "choices": [], "usage": usage}
-                return {**head, "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
+        def echoed(i: int) -> str:
+            """echo: the prompt's text leads each of its completions (a token-id prompt decoded)."""
+            return prompts[i] if isinstance(prompts[i], str) else self.engine.tokenizer.decode(prompt_ids[i])
 
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(prompt_ids, params, base_id, chunk, include_usage),
+        if body.stream:
+            def chunk(index, delta, reason):
+                return {**head, "choices": [{"index": index, "text": delta, "logprobs": None,
+                                             "finish_reason": reason}]}
+
+            def usage_chunk(usage):
+                return {**head, "choices": [], "usage": usage}
+
+            return StreamingResponse(self.stream(body, prompt_ids, params, base_id, chunk, usage_chunk,
+                                                 echoed if body.echo else None),
                                      media_type="text/event-stream")
-        finals = await self.until_disconnected(request, self.collect(prompt_ids, params, base_id))
+        finals = await self.until_disconnected(
+            request, self.collect(prompt_ids, params, base_id, body.include_stop_str_in_output))
         n = params[0].n
-        choices = [{"index": i * n + j, "text": text, "logprobs": None, "finish_reason": reason}
+        choices = [{"index": i * n + j, "text": (echoed(i) if body.echo else "") + text, "logprobs": None,
+                    "finish_reason": reason}
                    for i, rows in enumerate(finals) for j, (text, reason, _) in enumerate(rows)]
         return {**head, "choices": choices, "usage": self.usage(prompt_ids, finals)}

@@ -1,7 +1,8 @@
 """What the OpenAI endpoints share (vLLM's entrypoints/openai/serving_engine.py): checking a request against the
-engine, running its prompts through AsyncLLM, collecting or streaming the completions, OpenAI's error body.
+engine, running its prompts through AsyncLLM, collecting or streaming the completions, vLLM's error body.
 
-A request is checked whole before any of its prompts runs: the model name (404), the context (400: prompt
+A request is checked whole before any of its prompts runs: the model name (404), what kvlab cannot answer
+(400, protocol's rules; the fields it accepts and does not apply are logged), the context (400: prompt
 plus max_tokens beyond max_model_len, as vLLM answers), then every prompt through the engine's own
 InputProcessor, whose refusal (a RequestRejected naming the field) becomes the 400's message and param
 as it is. Stop strings, n > 1 and detokenisation are the engine's output processing; an endpoint only
@@ -10,6 +11,7 @@ which frees its blocks at once.
 """
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -20,38 +22,66 @@ from fastapi.responses import JSONResponse
 from kvlab.engine.async_llm import AsyncLLM
 from kvlab.engine.input_processor import RequestRejected
 from kvlab.engine.sampling_params import SamplingParams
+from kvlab.entrypoints.openai.protocol import FieldError, logger
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
-class OpenAIError(Exception):
-    """An error to answer with OpenAI's error body."""
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               501: "NotImplementedError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+
+class OpenAIError(Exception):
+    """An error answered with vLLM's body, {"error": {"message", "type", "param", "code"}}, code the HTTP status.
+
+    vLLM builds it in create_error_response (vllm/entrypoints/openai/serving_engine.py; in newer releases
+    vllm/entrypoints/serve/exception_handler/error_response.py): type "BadRequestError" for a 400,
+    "NotFoundError" for a 404. OpenAI's own API puts a string code there; vLLM's clients read both.
+    """
+
+    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ERROR_TYPES.get(status, "BadRequestError")
 
     @classmethod
     def rejected(cls, err: RequestRejected) -> "OpenAIError":
         """The engine's refusal as a 400, its message and field as they are."""
         return cls(400, err.message, param=err.param)
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
-            "message": self.message, "type": self.type, "param": self.param, "code": self.code}})
+        return JSONResponse(status_code=self.status, content=self.body())
+
+
+def _clean_loc(loc) -> list[str]:
+    """A pydantic error location without its union-branch markers ('list[int]', 'str', 'function-after[...]')."""
+    return [str(p) for p in loc if p != "body" and not any(c in str(p) for c in "[](){}")
+            and str(p) not in ("str", "int", "float", "bool", "list", "dict", "none")]
 
 
 def validation_error(err: RequestValidationError) -> OpenAIError:
-    """pydantic's first complaint about a request body, as a 400."""
-    first = err.errors()[0] if err.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    """pydantic's most telling complaint about a request body, as a 400 naming the field."""
+    errors = err.errors()
+    if not errors:
+        return OpenAIError(400, "the request body is not valid")
+    if any(e.get("type") == "json_invalid" for e in errors):
         return OpenAIError(400, "the request body is not valid JSON")
-    if first.get("type") == "extra_forbidden":
-        return OpenAIError(400, f"unknown field {'.'.join(loc)!r}: kvlab does not support it", param=".".join(loc))
-    return OpenAIError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}",
-                       param=".".join(loc) or None)
+    # A check of kvlab's own (FieldError) says most; otherwise the error that reached deepest into the
+    # body, which for a union (prompt: str | list[int] ...) is the branch the value came closest to.
+    first = next((e for e in errors if isinstance((e.get("ctx") or {}).get("error"), FieldError)), None)
+    first = first or max(errors, key=lambda e: len(_clean_loc(e.get("loc", ()))))
+    loc = _clean_loc(first.get("loc", ()))
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        loc.append(cause.param)
+        message = str(cause)
+    else:
+        message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    param = ".".join(loc) or None
+    return OpenAIError(400, f"{param or 'body'}: {message}", param=param)
 
 
 # One completion's progress: (text so far, finish reason or None, tokens generated).
@@ -61,15 +91,25 @@ Row = tuple[str, str | None, int]
 class OpenAIServing:
     """One served model: request checks, and running prompts to a result or a stream of server-sent events."""
 
-    def __init__(self, async_llm: AsyncLLM, model_name: str):
+    def __init__(self, async_llm: AsyncLLM, model_names: str | list[str]):
         self.async_llm = async_llm
         self.engine = async_llm.engine
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]  # the name answers carry, as vLLM's first --served-model-name
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                                   f"{' or '.join(map(repr, self.model_names))}", param="model")
+
+    def check_request(self, body) -> None:
+        """Refuse what kvlab cannot answer (a 400 naming the field); log what it accepts and does not apply."""
+        self.check_model(body.model)
+        for field, why in body.unsupported():
+            raise OpenAIError(400, f"{field}: {why}", param=field)
+        if ignored := body.ignored():
+            logger.warning("kvlab accepts and ignores these request fields, as vLLM ignores fields it does not "
+                           "support: %s", ", ".join(ignored))
 
     def prepare(self, body, prompts, max_tokens: int | None) -> tuple[list[list[int]], list[SamplingParams]]:
         """Token ids and params per prompt, every one checked against the engine's limits before any runs."""
@@ -81,10 +121,12 @@ class OpenAIServing:
                 limit = max(1, processor.max_model_len - len(prompt_ids)) if max_tokens is None else max_tokens
                 if len(prompt_ids) < processor.max_model_len:  # a prompt too long on its own is refused below
                     processor.check_context(len(prompt_ids), limit)
-                try:
-                    sampling = SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p,
-                                              top_k=body.top_k, max_tokens=limit, seed=body.seed,
-                                              ignore_eos=body.ignore_eos, stop=body.stop or [])
+                try:  # vLLM's defaults for what the body leaves out (its _DEFAULT_SAMPLING_PARAMS)
+                    sampling = SamplingParams(
+                        n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                        max_tokens=limit, seed=body.seed, ignore_eos=body.ignore_eos, stop=body.stop or [],
+                        stop_token_ids=body.stop_token_ids or [])
                 except ValueError as err:
                     raise OpenAIError(400, str(err)) from None
                 processor.process(prompt_ids, sampling)
@@ -94,22 +136,34 @@ class OpenAIServing:
             raise OpenAIError.rejected(err) from None
         return ids, params
 
-    async def run_prompt(self, prompt_ids, params: SamplingParams, request_id: str) -> AsyncIterator[list[Row]]:
+    async def run_prompt(self, prompt_ids, params: SamplingParams, request_id: str,
+                         include_stop_str: bool = False) -> AsyncIterator[list[Row]]:
         """Per step that moved it: one Row per completion of the prompt."""
         try:
             async for out in self.async_llm.generate(prompt_ids, params, request_id):
-                yield [(c.text, c.finish_reason if c.finish_reason in ("stop", "length") else None, len(c.token_ids))
-                       for c in out.outputs]
+                rows = []
+                for c in out.outputs:
+                    reason = c.finish_reason if c.finish_reason in ("stop", "length") else None
+                    text = c.text
+                    if include_stop_str and reason == "stop" and params.stop:
+                        text += self.stop_string(c.token_ids, text, params.stop)
+                    rows.append((text, reason, len(c.token_ids)))
+                yield rows
         except RequestRejected as err:
             raise OpenAIError.rejected(err) from None
         except ValueError as err:  # e.g. a request id already in use
             raise OpenAIError(400, str(err)) from None
 
-    async def collect(self, prompt_ids, params, base_id: str) -> list[list[Row]]:
+    def stop_string(self, token_ids, text: str, stops: list[str]) -> str:
+        """The stop string that ended a completion at text (empty when a stop token ended it)."""
+        full = self.engine.tokenizer.decode(token_ids)
+        return next((s for s in stops if full.startswith(s, len(text))), "")
+
+    async def collect(self, prompt_ids, params, base_id: str, include_stop_str: bool = False) -> list[list[Row]]:
         """The final Rows of every prompt, all prompts running at once."""
         async def last(i):
             rows = None
-            async for rows in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}"):
+            async for rows in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}", include_stop_str):
                 pass
             return rows
 
@@ -136,47 +190,89 @@ class OpenAIServing:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    async def stream(self, prompt_ids, params, base_id: str, chunk: Callable,
-                     include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events: chunk(index, delta, finish_reason) per new piece of text, then usage (only when
-        stream_options.include_usage asks for it, OpenAI's rule), then [DONE]."""
-        queue: asyncio.Queue = asyncio.Queue()
+    async def deltas(self, body, prompt_ids, params, base_id: str, prefix: Callable | None = None):
+        """(choice index, new text, finish reason, tokens so far) per piece of any completion, or an OpenAIError.
+
+        One prompt (the common case) is read straight from its stream; several run as tasks feeding one queue,
+        so that every prompt's pieces go out as they come.
+        """
         n = params[0].n
 
-        async def pump(i):
+        async def pieces(i):
             sent = [0] * n
-            try:
-                async for rows in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}"):
+            if prefix is not None:
+                for j in range(n):
+                    yield i * n + j, prefix(i), None, 0
+            async with contextlib.aclosing(self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}",
+                                                           body.include_stop_str_in_output)) as rows_stream:
+                async for rows in rows_stream:
                     for j, (text, reason, tokens) in enumerate(rows):
                         if len(text) > sent[j] or reason:
-                            await queue.put((i * n + j, text[sent[j]:], reason, tokens))
+                            yield i * n + j, text[sent[j]:], reason, tokens
                             sent[j] = len(text)
+
+        if len(prompt_ids) == 1:
+            try:
+                async with contextlib.aclosing(pieces(0)) as only:
+                    async for item in only:
+                        yield item
+            except OpenAIError as err:
+                yield err
+            return
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i):
+            try:
+                async for item in pieces(i):
+                    await queue.put(item)
             except OpenAIError as err:
                 await queue.put(err)
             finally:
                 await queue.put(None)
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompt_ids))]
-        finals: dict[int, int] = {}
         try:
             running = len(tasks)
             while running:
                 item = await queue.get()
                 if item is None:
                     running -= 1
-                    continue
+                else:
+                    yield item
+        finally:
+            for task in tasks:  # a client that left cancels this generator: every prompt's request aborts
+                task.cancel()
+
+    async def stream(self, body, prompt_ids, params, base_id: str, chunk: Callable,
+                     usage_chunk: Callable, prefix: Callable | None = None) -> AsyncIterator[bytes]:
+        """Server-sent events: chunk(index, delta, finish_reason) per new piece of text, then usage_chunk(usage)
+        when stream_options.include_usage asks for it (OpenAI's rule), then [DONE].
+
+        With vLLM's stream_options.continuous_usage_stats every chunk also carries its prompt's usage so far.
+        prefix(i) is text sent first for each of prompt i's completions (echo).
+        """
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)
+        n = params[0].n
+        finals: dict[int, int] = {}
+        async with contextlib.aclosing(self.deltas(body, prompt_ids, params, base_id, prefix)) as items:
+            async for item in items:
                 if isinstance(item, OpenAIError):
-                    yield f"data: {json.dumps({'error': {'message': item.message, 'type': item.type}})}\n\n".encode()
+                    yield f"data: {json.dumps(item.body())}\n\n".encode()
                     continue
                 index, delta, reason, tokens = item
                 if reason:
                     finals[index] = tokens
-                yield f"data: {json.dumps(chunk(index, delta, reason))}\n\n".encode()
-        finally:
-            for task in tasks:  # a client that left cancels this generator: every prompt's request aborts
-                task.cancel()
+                event = chunk(index, delta, reason)
+                if continuous:
+                    p_len = len(prompt_ids[index // n])
+                    event["usage"] = {"prompt_tokens": p_len, "completion_tokens": tokens,
+                                      "total_tokens": p_len + tokens}
+                yield f"data: {json.dumps(event)}\n\n".encode()
         if include_usage:
             stats = {"prompt_tokens": sum(map(len, prompt_ids)), "completion_tokens": sum(finals.values())}
             stats["total_tokens"] = stats["prompt_tokens"] + stats["completion_tokens"]
-            yield f"data: {json.dumps(chunk(None, None, None, usage=stats))}\n\n".encode()
+            yield f"data: {json.dumps(usage_chunk(stats))}\n\n".encode()
         yield b"data: [DONE]\n\n"
