@@ -76,7 +76,8 @@ def validation_error(err: RequestValidationError) -> OpenAIError:
     loc = _clean_loc(first.get("loc", ()))
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
-        loc.append(cause.param)
+        if loc[-1:] != [cause.param]:  # a field's own validator is already located at the field
+            loc.append(cause.param)
         message = str(cause)
     else:
         message = first.get("msg", "invalid value").removeprefix("Value error, ")
