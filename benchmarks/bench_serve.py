@@ -5,11 +5,20 @@ served model's context (read from GET /v1/models' max_model_len, or --max-contex
 from the shipped text by a tokenizer (--tokenizer: a hub id or folder; default the course's embedded
 model, one token per character). They arrive as a Poisson process at --request-rate per second
 (inf: all at once), each a streaming POST /v1/completions with max_tokens = its output length,
-temperature 0 and ignore_eos (vLLM's extension; --no-ignore-eos for servers without it). Measured per
-request from the client's clock: TTFT (to the first piece of text), ITL (between pieces), TPOT ((end -
-first token) / (tokens - 1)), end-to-end latency. Reported: request throughput, output tokens/s, mean /
-median / p99 of each latency, and goodput (requests per second that met every SLO given). It speaks
-plain OpenAI HTTP, so the same command measures a real `vllm serve`:
+temperature 0 and ignore_eos (vLLM's extension; --no-ignore-eos for servers without it); with
+--endpoint /v1/chat/completions each is a chat request whose one user message holds the prompt as a
+list of text parts, the shape `vllm bench serve --backend openai-chat` sends. Measured per request on
+the client's clock, as vllm bench serve measures (vllm/benchmarks/lib/endpoint_request_func.py):
+
+  TTFT  from the moment the request is sent (not the moment the Poisson schedule meant it to leave) to
+        the first chunk that carries a choice
+  ITL   between chunks that carry choices; TPOT (end - first chunk) / (tokens - 1); E2E from sent to end
+  send lag  sent - scheduled: how late the client itself was; large values mean the client, not the
+        server, was the bottleneck, and TTFT then hides that wait (vLLM reports it as client queue time)
+
+Reported: request throughput, output tokens/s, mean / median / p99 of each latency, and goodput
+(requests per second that met every SLO given). It speaks plain OpenAI HTTP, so the same command
+measures a real `vllm serve`:
 
     kvlab serve --port 8000 &                           # or: vllm serve Qwen/Qwen2.5-0.5B-Instruct
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 64 --request-rate 8 \\
@@ -31,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
+CHAT_TEMPLATE_ROOM = 32  # tokens a chat template may add (the embedded model's adds "USER.\n...ASSISTANT.\n": 20)
 
 
 @dataclass
@@ -39,7 +49,8 @@ class RequestResult:
 
     prompt_len: int
     output_len: int
-    sent: float = 0.0
+    scheduled: float = 0.0  # when the Poisson schedule meant the request to leave
+    sent: float = 0.0       # when it left: TTFT and E2E start here, as vllm bench serve's do
     first_token: float | None = None
     chunks: list[float] = field(default_factory=list)
     done: float | None = None
@@ -53,6 +64,10 @@ class RequestResult:
     @property
     def ttft(self) -> float:
         return self.first_token - self.sent
+
+    @property
+    def send_lag(self) -> float:
+        return self.sent - self.scheduled
 
     @property
     def e2e(self) -> float:
@@ -87,8 +102,13 @@ def build_requests(num_prompts: int, max_context: int, tokenizer_name: str | Non
 
 
 async def send(http, url: str, model: str, prompt: str, result: RequestResult, ignore_eos: bool) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": result.output_len, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    """One streaming request, timed as vllm bench serve times it: from just before it is sent, per chunk."""
+    if url.endswith("/chat/completions"):
+        body = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+                "max_completion_tokens": result.output_len}
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": result.output_len}
+    body.update(temperature=0, stream=True, stream_options={"include_usage": True})
     if ignore_eos:
         body["ignore_eos"] = True
     result.sent = time.perf_counter()
@@ -104,14 +124,16 @@ async def send(http, url: str, model: str, prompt: str, result: RequestResult, i
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if event.get("usage"):
+                if event.get("choices"):  # a chunk with a choice is a token's arrival, even with empty text
+                    now = time.perf_counter()
+                    result.first_token = result.first_token or now
+                    result.chunks.append(now)
+                elif event.get("usage"):
                     result.completion_tokens = event["usage"]["completion_tokens"]
-                for choice in event.get("choices", []):
-                    if choice.get("text"):
-                        now = time.perf_counter()
-                        result.first_token = result.first_token or now
-                        result.chunks.append(now)
-        result.done = time.perf_counter()
+                elif event.get("error"):
+                    result.error = str(event["error"].get("message"))[:200]
+                    return
+        result.done = result.chunks[-1] if result.chunks else time.perf_counter()
     except Exception as err:  # a refused or broken connection is reported, not fatal for the run
         result.error = repr(err)
 
@@ -138,6 +160,7 @@ def summarize(results: list[RequestResult], duration: float, slo: dict) -> dict:
         "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
         "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
+        "send_lag_ms": stats(r.send_lag for r in results if r.sent),
         "itl_ms": stats(x for r in ok for x in r.itls), "e2e_ms": stats(r.e2e for r in ok),
         "goodput": sum(meets(r) for r in ok) / duration if slo else None, "slo": slo,
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -153,15 +176,18 @@ async def run(args) -> dict:
         models = (await http.get(base + "/v1/models")).json()["data"]
         model = args.model or models[0]["id"]
         max_context = args.max_context or models[0].get("max_model_len") or 2048
-        requests = build_requests(args.num_prompts, max_context, args.tokenizer, args.seed)
+        # A chat request's template adds tokens around the prompt; leave them room (CHAT_TEMPLATE_ROOM).
+        room = CHAT_TEMPLATE_ROOM if args.endpoint.endswith("/chat/completions") else 0
+        requests = build_requests(args.num_prompts, max_context - room, args.tokenizer, args.seed)
         rng = random.Random(args.seed)
         results = [RequestResult(p_len, o_len) for _, p_len, o_len in requests]
         bar = tqdm(total=len(requests), desc=f"rate {args.request_rate}/s", unit="req", file=sys.stdout,
                    mininterval=0.5)
 
         async def one(i, delay):
-            await asyncio.sleep(delay)
-            await send(http, base + "/v1/completions", model, requests[i][0], results[i], not args.no_ignore_eos)
+            results[i].scheduled = start + delay
+            await asyncio.sleep(max(0.0, results[i].scheduled - time.perf_counter()))
+            await send(http, base + args.endpoint, model, requests[i][0], results[i], not args.no_ignore_eos)
             bar.update(1)
 
         delays, t = [], 0.0
@@ -188,11 +214,13 @@ def print_report(report: dict) -> None:
           f"{report['failed']} failed, rate {report['request_rate']}/s, {report['duration_s']:.1f} s")
     print(f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_token_throughput']:.0f}"
           f" tok/s, total {report['total_token_throughput']:.0f} tok/s")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms"):
         s = report[key]
         if s["mean"] is not None:
-            print(f"  {key[:-3].upper():<5} mean {s['mean']:8.1f} ms  median {s['median']:8.1f} ms  "
-                  f"p99 {s['p99']:8.1f} ms")
+            print(f"  {key[:-3].upper().replace('_', ' '):<9} mean {s['mean']:8.1f} ms  median {s['median']:8.1f} ms"
+                  f"  p99 {s['p99']:8.1f} ms")
+    print("  (TTFT and E2E from when each request was sent, as vllm bench serve measures them; SEND LAG is how "
+          "late the client sent it against its Poisson schedule)")
     if report["goodput"] is not None:
         print(f"goodput {report['goodput']:.2f} req/s under {report['slo']}")
     for err in report["errors"]:
@@ -203,6 +231,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="the model name to send (default: the server's first)")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                        help="chat sends the prompt as one user message of text parts, as vllm bench serve does")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
     parser.add_argument("--max-context", type=int, default=None, help="default: the server's max_model_len")
