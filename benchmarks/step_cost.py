@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     for case, seconds in medians.items():
         rows.setdefault((case.kind, case.context), {})[case.tokens] = seconds
     print("\nmilliseconds per forward pass, by tokens carried T (in brackets: against a one-token pass)")
-    print(f"| pass | " + " | ".join(f"T={n}" for n in TOKEN_COUNTS) + " |")
+    print("| pass | " + " | ".join(f"T={n}" for n in TOKEN_COUNTS) + " |")
     print("|---|" + "---:|" * len(TOKEN_COUNTS))
     for (kind, context), by_tokens in rows.items():
         cells = [f"{1e3 * by_tokens[n]:.2f} ({by_tokens[n] / one_token:.1f}x)" if n in by_tokens else ""

@@ -177,7 +177,8 @@ def _kernel_references():
     from kvlab.kernels import cache_write, split_kv, triton_unified_attention
 
     device_code = [triton_unified_attention.attend_tiles, triton_unified_attention.unified_attention_kernel,
-                   split_kv.paged_decode_split_kernel, split_kv.split_reduce_kernel, cache_write.reshape_and_cache_kernel]
+                   split_kv.paged_decode_split_kernel, split_kv.split_reduce_kernel,
+                   cache_write.reshape_and_cache_kernel]
     python = [kvlab.kernels.paged_attention_decode, kvlab.kernels.paged_attention_decode_split_kv,
               kvlab.kernels.paged_attention_decode_reference, kvlab.kernels.unified_attention,
               kvlab.kernels.unified_attention_reference, kvlab.kernels.reshape_and_cache,

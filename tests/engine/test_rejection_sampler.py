@@ -126,7 +126,9 @@ def test_a_rejection_ends_the_verification_without_a_bonus_token():
 
 
 def test_sampled_drafts_verified_one_hot_keep_the_target_and_are_kept_less_often():
-    """vLLM V1's way (draft_probs=None) for a draft x ~ q: kept with p(x), not min(1, p(x) / q(x)); p is kept either way."""
+    """vLLM V1's way (draft_probs=None) for a draft x ~ q: kept with p(x), not min(1, p(x) / q(x)).
+
+    The output follows p either way."""
     target, draft = random_dist(5, 2), random_dist(6, 1)
     gen = torch.Generator().manual_seed(4)
     counts = {"q": torch.zeros(VOCAB, dtype=torch.float64), "one-hot": torch.zeros(VOCAB, dtype=torch.float64)}

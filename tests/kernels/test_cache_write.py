@@ -18,13 +18,15 @@ DEVICE = torch.device("cpu" if RUNS_IN_INTERPRETER else "cuda")
 def pools(num_blocks=6, block_size=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.randn(shape, generator=gen).to(dtype).to(DEVICE), torch.randn(shape, generator=gen).to(dtype).to(DEVICE))
+    first, second = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return first.to(dtype).to(DEVICE), second.to(dtype).to(DEVICE)
 
 
 def rows(num_tokens, num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_tokens, num_kv_heads, head_dim)
-    return (torch.randn(shape, generator=gen).to(dtype).to(DEVICE), torch.randn(shape, generator=gen).to(dtype).to(DEVICE))
+    first, second = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return first.to(dtype).to(DEVICE), second.to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
