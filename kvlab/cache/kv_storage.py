@@ -42,6 +42,7 @@ from kvlab.quantization import (
     SUPPORTED_KV_CACHE_DTYPES,
     dequantize,
     quantize,
+    scale_granularity,
     storage_format,
 )
 from kvlab.validation import check_block_size
@@ -454,12 +455,10 @@ def make_kv_storage(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_h
 # ---------------------------------------------------------------------------------------------
 # What one block costs, before any pool exists: the engine sizes its pool from this.
 
-def _element_dtype(kv_cache_dtype: str) -> tuple[str, int]:
+def _element_dtype(kv_cache_dtype: str) -> tuple[str, str | None]:
     """(kv_size dtype name of one stored element, the scales' granularity: None, 'block' or 'token')."""
-    if kv_cache_dtype in PER_TOKEN_HEAD_KV_CACHE_DTYPES:
-        return "int8", "token"
     if kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES:
-        return "int8", "block"  # int8 and fp8 both store one byte per element
+        return "int8", scale_granularity(kv_cache_dtype)  # int8 and fp8 both store one byte per element
     name = str(kv_cache_dtype).removeprefix("torch.")
     if name in DTYPE_BYTES and name not in ("int8", "fp8", "float8_e4m3fn", "float8_e5m2"):
         return name, None
