@@ -150,10 +150,14 @@ def summarize(results: list[RequestResult], duration: float, slo: dict) -> dict:
 
     out_tokens = sum(r.completion_tokens or len(r.chunks) for r in ok)
 
+    from kvlab.benchmarks.latency import LatencyMetrics, meets_slos
+
+    # vllm bench serve --goodput's metric names, in seconds
+    slos = {name: slo[key] / 1e3 for key, name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("e2e_ms", "e2el"))
+            if slo.get(key) is not None}
+
     def meets(r):
-        return ((slo.get("ttft_ms") is None or r.ttft * 1e3 <= slo["ttft_ms"])
-                and (slo.get("tpot_ms") is None or r.tpot is None or r.tpot * 1e3 <= slo["tpot_ms"])
-                and (slo.get("e2e_ms") is None or r.e2e * 1e3 <= slo["e2e_ms"]))
+        return meets_slos(LatencyMetrics(r.ttft, r.tpot, (), r.e2e), slos)
 
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,

@@ -6,7 +6,8 @@
 TPOT (time per output token) averages the decode part: (E2E - TTFT) / (tokens - 1). ITL lists every
 gap between consecutive token arrivals; with streaming, a chunk that carries several tokens (a
 speculative step) is one arrival. `knee_rate` finds the highest request rate before latency
-shoots up; `pick_token_budget` chooses max_num_batched_tokens for a TTFT and an ITL target;
+shoots up; `pick_token_budget` chooses max_num_batched_tokens for a p99 TTFT and a p99 ITL target,
+`meets_slos` and `goodput_budget` judge each request against SLOs as `vllm bench serve --goodput` does;
 `normalized_latency` is the vLLM paper's metric (Figure 12), `percentile` the p50 / p99 of a list.
 
 The same definitions serve the engine's histograms (kvlab.engine.metrics), the replay on a virtual
@@ -74,6 +75,38 @@ def pick_token_budget(measurements: dict, ttft_slo: float, itl_slo: float) -> in
     """
     ok = [(ttft, budget) for budget, (ttft, itl) in measurements.items() if ttft <= ttft_slo and itl <= itl_slo]
     return min(ok)[1] if ok else None
+
+
+SLO_METRICS = ("ttft", "tpot", "e2el")   # the names `vllm bench serve --goodput` takes (vllm/benchmarks/serve.py)
+
+
+def meets_slos(metrics: LatencyMetrics, slos: dict) -> bool:
+    """Whether one request met every SLO given: slos maps "ttft", "tpot", "e2el" to seconds (any subset).
+
+    A value equal to its SLO meets it; a single-token request has no decode part and meets any TPOT SLO
+    (vLLM counts its TPOT as 0).
+    """
+    unknown = set(slos) - set(SLO_METRICS)
+    if unknown:
+        raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}: use {', '.join(SLO_METRICS)}")
+    values = {"ttft": metrics.ttft, "tpot": metrics.tpot or 0.0, "e2el": metrics.e2e}
+    return all(values[name] <= limit for name, limit in slos.items())
+
+
+def goodput_budget(runs: dict, slos: dict) -> int | None:
+    """The max_num_batched_tokens under which the most requests met every SLO (ties: the smaller budget);
+    None when no request met them under any budget.
+
+    runs: budget -> [(arrival, token_times, num_tokens), ...], the same requests served under each budget
+    (num_tokens None: one token per time); slos as for meets_slos.
+    """
+    meets_slos(LatencyMetrics(0.0, None, (), 0.0), slos)   # an unknown metric is an error even with no requests
+    best = None
+    for budget, requests in runs.items():
+        good = sum(meets_slos(latency_metrics(arrival, times, n), slos) for arrival, times, n in requests)
+        if good and (best is None or (-good, budget) < best):
+            best = (-good, budget)
+    return None if best is None else best[1]
 
 
 def normalized_latency(timings) -> float:

@@ -39,3 +39,35 @@ def test_pick_a_token_budget_for_an_slo():
     assert pick_token_budget(measured, ttft_slo=600, itl_slo=35) == 64
     assert pick_token_budget(measured, ttft_slo=400, itl_slo=25) is None, "no budget meets both"
     assert pick_token_budget({64: (300, 10), 32: (300, 10)}, 400, 20) == 32, "ties go to the smaller budget"
+
+
+def test_meets_slos_as_vllm_goodput_counts_a_request():
+    from kvlab.benchmarks.latency import meets_slos
+
+    m = latency_metrics(0.0, [0.25, 0.5, 1.0])          # TTFT 0.25, TPOT 0.375, E2E 1.0 (exact in binary)
+    assert meets_slos(m, {"ttft": 0.25, "tpot": 0.375, "e2el": 1.0}), "a value equal to its SLO meets it"
+    assert not meets_slos(m, {"ttft": 0.249}), "TTFT 0.25 misses an SLO of 0.249"
+    assert not meets_slos(m, {"tpot": 0.374}), "TPOT is (E2E - TTFT) / (tokens - 1) = 0.375"
+    assert not meets_slos(m, {"e2el": 0.999})
+    assert meets_slos(m, {}), "no SLO: every request counts"
+    assert meets_slos(latency_metrics(0.0, [0.1]), {"tpot": 0.0}), "one token: TPOT counts as 0, as in vLLM"
+    two_chunks = latency_metrics(0.0, [0.25, 1.0], num_tokens=4)   # 3 tokens after the first in one chunk
+    assert meets_slos(two_chunks, {"tpot": 0.25}) and not meets_slos(two_chunks, {"tpot": 0.249})
+    with pytest.raises(ValueError, match="itl"):
+        meets_slos(m, {"itl": 0.1})
+
+
+def test_goodput_budget_picks_the_budget_that_serves_most_requests_within_slos():
+    from kvlab.benchmarks.latency import goodput_budget
+
+    fast_first = [(0.0, [0.05, 0.30], None), (0.0, [0.06, 0.31], None), (0.0, [0.50, 0.52], None)]
+    even = [(0.0, [0.10, 0.20], None), (0.0, [0.12, 0.22], None), (0.0, [0.15, 0.25], None)]
+    runs = {256: fast_first, 32: even}
+    assert goodput_budget(runs, {"ttft": 0.2}) == 32, "3 requests within TTFT 0.2 at budget 32, 2 at 256"
+    assert goodput_budget(runs, {"ttft": 0.1}) == 256
+    assert goodput_budget(runs, {"ttft": 0.5, "tpot": 0.1}) == 32, "256's first two requests have TPOT 0.25"
+    assert goodput_budget({64: even, 16: even}, {"ttft": 1.0}) == 16, "a tie goes to the smaller budget"
+    assert goodput_budget(runs, {"ttft": 0.01}) is None, "no request meets the SLO under any budget"
+    assert goodput_budget({}, {"ttft": 1.0}) is None
+    with pytest.raises(ValueError, match="unknown SLO"):
+        goodput_budget({}, {"p99_ttft": 1.0})
