@@ -12,9 +12,10 @@ run does the same work), torch on one thread (OMP_NUM_THREADS=1) in both:
 
 --breakdown adds two steps between them, to show where the server's time goes:
 
-  engine cumulative   the same engine loop as offline, but every step returns every running request's
-                      whole text so far (RequestOutputKind.CUMULATIVE, what a stream needs) instead of
-                      only finished requests: the cost of detokenising along the way
+  engine delta        the same engine loop as offline, but every step returns every running request's
+                      new text (RequestOutputKind.DELTA, what the server asks for a stream; detokenised
+                      incrementally) instead of only finished requests: the cost of detokenising along
+                      the way
   async (no http)     kvlab's AsyncLLM in this process, every request consumed as a stream: adds the
                       engine thread, the hand-off of every step to the event loop and the per-request queues
 
@@ -115,8 +116,8 @@ def run_offline(llm, prompts, params) -> tuple[float, int, list[str]]:
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].text for o in outs]
 
 
-def run_engine_cumulative(llm, prompts, params) -> tuple[float, int, list[str]]:
-    """LLM.generate's loop with every step's outputs detokenised, as a streaming server asks the engine for them."""
+def run_engine_delta(llm, prompts, params) -> tuple[float, int, list[str]]:
+    """LLM.generate's loop with every step's new text detokenised, as the server asks the engine for a stream."""
     import dataclasses
 
     from kvlab.engine.sampling_params import RequestOutputKind
@@ -125,16 +126,16 @@ def run_engine_cumulative(llm, prompts, params) -> tuple[float, int, list[str]]:
     start = time.perf_counter()
     ids = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        ids.append(f"cumulative-{time.monotonic_ns()}-{i}")
-        engine.add_request(ids[-1], prompt, dataclasses.replace(p, output_kind=RequestOutputKind.CUMULATIVE))
-    done = {}
+        ids.append(f"delta-{time.monotonic_ns()}-{i}")
+        engine.add_request(ids[-1], prompt, dataclasses.replace(p, output_kind=RequestOutputKind.DELTA))
+    texts = {i: [] for i in ids}
+    tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+            texts[out.request_id].append(out.outputs[0].text)
+            tokens += len(out.outputs[0].token_ids)
     seconds = time.perf_counter() - start
-    outs = [done[i] for i in ids]
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].text for o in outs]
+    return seconds, tokens, ["".join(texts[i]) for i in ids]
 
 
 def run_async(llm, prompts, params) -> tuple[float, int, list[str]]:
@@ -203,7 +204,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true",
-                        help="also the engine with streaming outputs, and AsyncLLM without HTTP")
+                        help="also the engine with streaming (DELTA) outputs, and AsyncLLM without HTTP")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="also a second server whose GIL switch interval is this (Python's default is 5 ms)")
     parser.add_argument("--json", type=Path, default=None)
@@ -227,7 +228,7 @@ def main(argv=None) -> dict:
     base = f"http://127.0.0.1:{port}"
     systems = {"offline": lambda: run_offline(llm, prompts, params)}
     if args.breakdown:
-        systems["engine cumulative"] = lambda: run_engine_cumulative(llm, prompts, params)
+        systems["engine delta"] = lambda: run_engine_delta(llm, prompts, params)
         systems["async (no http)"] = lambda: run_async(llm, prompts, params)
     systems["http"] = lambda: run_http(base, prompts, lengths)
     servers = [server]

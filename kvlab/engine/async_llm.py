@@ -2,7 +2,8 @@
 
     async_llm = AsyncLLM(LLMEngine(model, tokenizer, ...))
     async for out in async_llm.generate("OTHELLO.\\n", SamplingParams(max_tokens=32), "req-1"):
-        print(out.outputs[0].text)          # the whole text so far, after every step that moved it
+        print(out.outputs[0].text)          # the whole text so far (CUMULATIVE, the default), after every step
+                                            # that moved it; output_kind=DELTA gives only the new text
 
 One thread owns the engine. Every call into it (add a request, abort one, step, read the metrics)
 runs on that thread, one after another, so the engine needs no locks and the event loop never waits
@@ -44,14 +45,19 @@ class AsyncLLM:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop(), name="kvlab-engine-loop")
 
+    def _step_if_busy(self) -> list[RequestOutput] | None:
+        """One engine step, or None when no request is unfinished: one hand-off to the engine's thread per step."""
+        return self.engine.step() if self.engine.has_unfinished_requests() else None
+
     async def _engine_loop(self) -> None:
         try:
             while True:
                 self._wake.clear()  # before the check: a request added after it sets the event again
-                if not await self.run(self.engine.has_unfinished_requests):
+                outputs = await self.run(self._step_if_busy)
+                if outputs is None:
                     await self._wake.wait()
                     continue
-                for out in await self.run(self.engine.step):
+                for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)

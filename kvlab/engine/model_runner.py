@@ -28,9 +28,10 @@ from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 from kvlab.cache.swap import SwapSpace
 from kvlab.engine.outputs import ModelRunnerOutput
 from kvlab.engine.rejection_sampler import greedy_verify, rejection_sample
-from kvlab.engine.sampler import sample, sample_with_probs, sampling_probs
+from kvlab.engine.sampler import apply_min_tokens, sample, sample_with_probs, sampling_probs
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler_output import SchedulerOutput
+from kvlab.model.config import eos_token_ids
 from kvlab.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from kvlab.spec_decode.ngram_proposer import NgramProposer
 
@@ -47,6 +48,10 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     max_len: int                    # prompt + max_tokens, within max_model_len: never draft past it
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
 
 class ModelRunner:
@@ -65,6 +70,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> its drafts' distributions [k, V]
         self.num_forward_passes = 0
+        self.eos_token_ids = tuple(eos_token_ids(model))  # masked while a request has fewer than min_tokens outputs
 
     @classmethod
     def from_config(cls, model, config, num_blocks: int, draft_model=None,
@@ -183,8 +189,10 @@ class ModelRunner:
                 plain.append((i, row))
             row += 1 + len(drafts)
         if plain:
-            tokens = sample(logits[[r for _, r in plain]], [states[i].sampling_params for i, _ in plain],
-                            [states[i].generator or self.generator for i, _ in plain])
+            params = [states[i].sampling_params for i, _ in plain]
+            rows = apply_min_tokens(logits[[r for _, r in plain]], [states[i].num_output_tokens for i, _ in plain],
+                                    params, self.eos_token_ids)
+            tokens = sample(rows, params, [states[i].generator or self.generator for i, _ in plain])
             for (i, _), token in zip(plain, tokens):
                 sampled[i] = [token]
         for i, r, drafts in verify:
@@ -197,6 +205,10 @@ class ModelRunner:
     def _verify(self, state: CachedRequestState, drafts: list[int], rows: torch.Tensor) -> list[int]:
         """The tokens a speculating request emits: its accepted drafts, then one recovered or bonus token."""
         params = state.sampling_params
+        # min_tokens holds at every verified position (the j-th row samples output num_output_tokens + j + 1), so
+        # a draft stop token is rejected like any token the target cannot draw there.
+        rows = apply_min_tokens(rows, [state.num_output_tokens + j for j in range(len(rows))], [params] * len(rows),
+                                self.eos_token_ids)
         if params.greedy:
             return greedy_verify(drafts, rows)
         draft_probs = self._draft_probs.get(state.req_id)

@@ -92,10 +92,15 @@ class Request:
         return self.num_tokens_to_compute > 1 or not self.output_token_ids
 
     def append_output(self, token: int, max_model_len: int | None = None) -> None:
-        """Add a sampled token and finish the request if it hit a stop token, max_tokens or the model's length."""
+        """Add a sampled token and finish the request if it hit a stop token, max_tokens or the model's length.
+
+        Before min_tokens outputs a stop token does not stop it: the sampler never draws one then, and this
+        check (vLLM's check_stop in v1/core/sched/utils.py) guards every other way a token can arrive.
+        """
         self.output_token_ids.append(token)
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if len(self.output_token_ids) >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_len \
                 or (max_model_len is not None and self.num_tokens >= max_model_len):
@@ -111,6 +116,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     cumulative_logprob: float | None = None  # beam search: the beam's (length-penalised) score
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's name; a stop token shows in token_ids)
 
 
 @dataclass(slots=True)

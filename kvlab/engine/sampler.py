@@ -1,5 +1,7 @@
 """Chapter 6's sampler: the next token of every request in the batch, each under its own SamplingParams."""
 
+from collections.abc import Iterable
+
 import torch
 
 from kvlab.engine.sampling_params import SamplingParams
@@ -52,3 +54,27 @@ def sample_with_probs(logits: torch.Tensor, params: list[SamplingParams],
         tokens.append(int(torch.multinomial(q, 1, generator=gen)))
         probs.append(q)
     return tokens, probs
+
+
+def apply_min_tokens(logits: torch.Tensor, num_output_tokens: list[int], params: list[SamplingParams],
+                     eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
+    """logits [N, V] with each row's stop tokens set to -inf while its request has fewer than min_tokens outputs.
+
+    Row i samples its request's output number num_output_tokens[i] + 1; while num_output_tokens[i] <
+    params[i].min_tokens its stop tokens (the model's EOS ids unless ignore_eos, and stop_token_ids) cannot
+    be drawn (vLLM's MinTokensLogitsProcessor, vllm/v1/sample/logits_processor/builtin.py). The rows of
+    one request verifying drafts come as consecutive rows, with consecutive counts. Returns logits itself
+    when no row needs a mask, else a masked copy.
+    """
+    rows = [i for i, (n, p) in enumerate(zip(num_output_tokens, params)) if n < p.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    eos = tuple(eos_token_ids)
+    for i in rows:
+        p = params[i]
+        stops = [t for t in {*p.stop_token_ids, *(() if p.ignore_eos else eos)} if 0 <= t < vocab]
+        if stops:
+            logits[i, stops] = float("-inf")
+    return logits

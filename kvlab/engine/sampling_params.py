@@ -8,9 +8,11 @@ from kvlab.validation import check_positive_int, is_integer
 
 
 class RequestOutputKind(enum.Enum):
-    """Which outputs a request's caller hears of (vLLM's name): every step's whole text so far, or only the last."""
+    """Which outputs a request's caller hears of (vLLM's names and values): every step's whole text so far, every
+    step's new text, or only the last."""
 
     CUMULATIVE = 0    # after every step that gave it tokens: all its tokens and text so far (the engine's default)
+    DELTA = 1         # after every step that gave it tokens: only the tokens and text new since the last output
     FINAL_ONLY = 2    # once, when it finishes (LLM.generate: nothing is detokenised along the way)
 
 
@@ -21,6 +23,8 @@ class SamplingParams:
     temperature 0 means greedy (argmax); top_k 0 or -1 and top_p 1 turn those filters off. A seed
     makes the request's samples reproducible whatever else shares its batch. n > 1 asks for n
     completions of the same prompt (vLLM V1 runs them as n requests sharing the prompt's blocks).
+    min_tokens holds a request open: before that many new tokens its stop tokens (EOS unless ignore_eos,
+    and stop_token_ids) are masked out of the logits and its stop strings are not searched.
     """
 
     n: int = 1
@@ -33,10 +37,16 @@ class SamplingParams:
     ignore_eos: bool = False      # keep going past the model's end-of-sequence token(s)
     seed: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    min_tokens: int = 0           # new tokens at least: until then EOS and stop_token_ids cannot be drawn, stop
+                                  # strings are not looked for (vLLM's semantics)
 
     def __post_init__(self):
         check_positive_int("n", self.n)
         check_positive_int("max_tokens", self.max_tokens)
+        if not is_integer(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")

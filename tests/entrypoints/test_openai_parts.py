@@ -45,9 +45,7 @@ def test_fields_kvlab_does_not_apply_are_named_for_the_warning():
                                                                                         "future_option": 2})
     assert body.ignored() == ["repetition_penalty=1.2", "min_p=0.05", "my_own_field", "stream_options.future_option"], (
         "neutral values (presence_penalty 0, an empty logit_bias) change nothing and are not worth a warning")
-    assert CompletionRequest(prompt="a", min_tokens=4, ignore_eos=True).ignored() == [], (
-        "min_tokens holds anyway when nothing can end the request early (ignore_eos, no stops)")
-    assert CompletionRequest(prompt="a", min_tokens=4).ignored() == ["min_tokens=4"]
+    assert CompletionRequest(prompt="a", min_tokens=4).ignored() == [], "min_tokens is honoured, not ignored"
 
 
 @pytest.mark.parametrize("fields, where", [

@@ -4,12 +4,13 @@ Every field OpenAI's API or vLLM's server accepts is accepted here (vLLM's reque
 vllm/entrypoints/openai/protocol.py; newer releases split them into completion/protocol.py and
 chat_completion/protocol.py). A field is in one of four groups:
 
-  * honoured: the prompt or messages, model, max_tokens / max_completion_tokens, temperature, top_p,
-    top_k, n, seed, stop, stop_token_ids, stream, stream_options (include_usage, continuous_usage_stats),
-    ignore_eos, include_stop_str_in_output, echo (completions), and user (kept, as OpenAI's is, unused);
-  * sampling knobs kvlab's sampler does not have (repetition_penalty, min_p, min_tokens, ...): checked
-    for type and range as vLLM checks them, then ignored with a logged warning unless they hold the
-    value that changes nothing (repetition_penalty 1.0, which `vllm bench serve` always sends);
+  * honoured: the prompt or messages, model, max_tokens / max_completion_tokens, min_tokens, temperature,
+    top_p, top_k, n, seed, stop, stop_token_ids, stream, stream_options (include_usage,
+    continuous_usage_stats), ignore_eos, include_stop_str_in_output, echo (completions), and user (kept,
+    as OpenAI's is, unused);
+  * sampling knobs kvlab's sampler does not have (repetition_penalty, min_p, ...): checked for type and
+    range as vLLM checks them, then ignored with a logged warning unless they hold the value that changes
+    nothing (repetition_penalty 1.0, which `vllm bench serve` always sends);
   * requests for an answer kvlab cannot give (logprobs, beam search, best_of > n, a JSON schema, tool
     calls, a suffix): a 400 naming the field, as vLLM itself answers for what it does not support,
     rather than a reply that silently lacks what was asked for;
@@ -34,7 +35,7 @@ TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 # vLLM's sampling knobs kvlab's sampler lacks: the value that changes nothing, and the check vLLM's
 # SamplingParams applies to it (so a malformed value is still a 400).
 NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-           "min_tokens": 0, "length_penalty": 1.0, "logit_bias": None, "skip_special_tokens": True,
+           "length_penalty": 1.0, "logit_bias": None, "skip_special_tokens": True,
            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
            "bad_words": None, "priority": 0}
 
@@ -82,6 +83,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: no EOS, stop token or stop string before this many tokens
     include_stop_str_in_output: bool = False
     user: str | None = None
     request_id: str | None = None  # vLLM's extension; kvlab names its requests itself
@@ -91,7 +93,6 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0)
     length_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
@@ -146,14 +147,8 @@ class _SamplingFields(OpenAIBaseModel):
             value = getattr(self, name)
             if value is None or value == neutral or (isinstance(value, (dict, list)) and not value):
                 continue
-            if name == "min_tokens" and self._min_tokens_hold():
-                continue
             names.append(f"{name}={value!r}")
         return names + self.unknown_fields()
-
-    def _min_tokens_hold(self) -> bool:
-        """Whether min_tokens is met anyway: nothing can end the request before max_tokens."""
-        return self.ignore_eos and not self.stop and not self.stop_token_ids
 
 
 class CompletionRequest(_SamplingFields):

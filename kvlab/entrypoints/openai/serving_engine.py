@@ -5,9 +5,10 @@ A request is checked whole before any of its prompts runs: the model name (404),
 (400, protocol's rules; the fields it accepts and does not apply are logged), the context (400: prompt
 plus max_tokens beyond max_model_len, as vLLM answers), then every prompt through the engine's own
 InputProcessor, whose refusal (a RequestRejected naming the field) becomes the 400's message and param
-as it is. Stop strings, n > 1 and detokenisation are the engine's output processing; an endpoint only
-turns RequestOutputs into OpenAI's JSON. A client that goes away, streaming or not, aborts its request,
-which frees its blocks at once.
+as it is. Stop strings, min_tokens, n > 1 and detokenisation are the engine's; an endpoint only turns
+RequestOutputs into OpenAI's JSON. As vLLM's server does, a stream asks the engine for DELTA outputs (each
+step's new text, detokenised incrementally) and a plain request for FINAL_ONLY (one output at the end).
+A client that goes away, streaming or not, aborts its request, which frees its blocks at once.
 """
 
 import asyncio
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from kvlab.engine.async_llm import AsyncLLM
 from kvlab.engine.input_processor import RequestRejected
-from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvlab.entrypoints.openai.protocol import FieldError, logger
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
@@ -127,7 +128,8 @@ class OpenAIServing:
                         n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
                         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                         max_tokens=limit, seed=body.seed, ignore_eos=body.ignore_eos, stop=body.stop or [],
-                        stop_token_ids=body.stop_token_ids or [])
+                        stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
+                        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
                 except ValueError as err:
                     raise OpenAIError(400, str(err)) from None
                 processor.process(prompt_ids, sampling)
@@ -139,33 +141,43 @@ class OpenAIServing:
 
     async def run_prompt(self, prompt_ids, params: SamplingParams, request_id: str,
                          include_stop_str: bool = False) -> AsyncIterator[list[Row]]:
-        """Per step that moved it: one Row per completion of the prompt."""
+        """Per output of the engine: one Row per completion of the prompt, holding the text new since the last Row
+        (whatever output kind the params ask for), its finish reason the first time it finishes, and its tokens so far.
+        """
+        n = params.n
+        delta = params.output_kind is RequestOutputKind.DELTA
+        shown, tokens, ended = [0] * n, [0] * n, [False] * n
         try:
             async for out in self.async_llm.generate(prompt_ids, params, request_id):
                 rows = []
-                for c in out.outputs:
+                for j, c in enumerate(out.outputs):
+                    if ended[j]:  # a finished completion of an n > 1 request, while its siblings run on
+                        rows.append(("", None, tokens[j]))
+                        continue
+                    if delta:
+                        text = c.text
+                        tokens[j] += len(c.token_ids)
+                    else:
+                        text, shown[j], tokens[j] = c.text[shown[j]:], len(c.text), len(c.token_ids)
                     reason = c.finish_reason if c.finish_reason in ("stop", "length") else None
-                    text = c.text
-                    if include_stop_str and reason == "stop" and params.stop:
-                        text += self.stop_string(c.token_ids, text, params.stop)
-                    rows.append((text, reason, len(c.token_ids)))
+                    if reason:
+                        ended[j] = True
+                        if include_stop_str and c.stop_reason:
+                            text += c.stop_reason
+                    rows.append((text, reason, tokens[j]))
                 yield rows
         except RequestRejected as err:
             raise OpenAIError.rejected(err) from None
         except ValueError as err:  # e.g. a request id already in use
             raise OpenAIError(400, str(err)) from None
 
-    def stop_string(self, token_ids, text: str, stops: list[str]) -> str:
-        """The stop string that ended a completion at text (empty when a stop token ended it)."""
-        full = self.engine.tokenizer.decode(token_ids)
-        return next((s for s in stops if full.startswith(s, len(text))), "")
-
     async def collect(self, prompt_ids, params, base_id: str, include_stop_str: bool = False) -> list[list[Row]]:
-        """The final Rows of every prompt, all prompts running at once."""
+        """The final Rows of every prompt (each completion's whole text), all prompts running at once."""
         async def last(i):
             rows = None
-            async for rows in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}", include_stop_str):
-                pass
+            async for new in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}", include_stop_str):
+                rows = new if rows is None else [(text + more, reason or done, count) for (text, done, _), (
+                    more, reason, count) in zip(rows, new)]
             return rows
 
         return await asyncio.gather(*(last(i) for i in range(len(prompt_ids))))
@@ -200,7 +212,6 @@ class OpenAIServing:
         n = params[0].n
 
         async def pieces(i):
-            sent = [0] * n
             if prefix is not None:
                 for j in range(n):
                     yield i * n + j, prefix(i), None, 0
@@ -208,9 +219,8 @@ class OpenAIServing:
                                                            body.include_stop_str_in_output)) as rows_stream:
                 async for rows in rows_stream:
                     for j, (text, reason, tokens) in enumerate(rows):
-                        if len(text) > sent[j] or reason:
-                            yield i * n + j, text[sent[j]:], reason, tokens
-                            sent[j] = len(text)
+                        if text or reason:
+                            yield i * n + j, text, reason, tokens
 
         if len(prompt_ids) == 1:
             try:
