@@ -10,15 +10,25 @@
                   (8-bit pools with their k_scale / v_scale): no gather at all
     "auto"        "triton" on a CUDA device with Triton installed, "torch" elsewhere
 
-Every backend has vLLM's two parts: build_metadata, once per forward pass, turns the pass's BatchLayout
+Every backend has vLLM's three parts: build_metadata, once per forward pass, turns the pass's BatchLayout
 into what this backend's computation reads (its own typed metadata: slot indices and masks for torch,
-int32 tables and offsets for the kernel), and forward, once per layer, attends with it. A backend reads
-K/V only through the storage (kvlab.cache.kv_storage): real numbers for the torch paths, the raw pools
-and scales for the kernel.
+int32 tables and offsets for the kernel); then, once per layer, do_kv_cache_update stores the layer's new
+K/V at the pass's slot_mapping and forward attends. A backend reads K/V only through the storage
+(kvlab.cache.kv_storage): real numbers for the torch paths, the raw pools and scales for the kernel.
+
+The cache write is the backend's: the reference and torch backends hand it to the storage (KVStorage.write,
+a torch index), and the Triton backend stores float pools with Chapter 7's store kernel,
+kvlab.kernels.reshape_and_cache (vLLM's reshape_and_cache_flash: one program per token, slot -1 skipped).
+8-bit storages keep their own write on every backend (TritonBackend.do_kv_cache_update says why).
 
 vLLM V1 has the same split (vllm/v1/attention/backends/: a builder per backend makes the metadata, the
-backend's forward reads it); its default on NVIDIA GPUs is FlashAttention, and the Triton unified kernel
-is its portable backend.
+backend's implementation reads it); its default on NVIDIA GPUs is FlashAttention, and the Triton unified
+kernel is its portable backend. Its cache write used to sit at the top of each implementation's forward;
+it is now a step of its own: the attention layer (vllm/model_executor/layers/attention/attention.py,
+unified_kv_cache_update) calls the implementation's do_kv_cache_update(layer, key, value, kv_cache,
+slot_mapping) before its forward, for every backend whose forward_includes_kv_cache_update is False
+(TritonAttentionImpl.do_kv_cache_update calls triton_reshape_and_cache_flash). kvlab's backends keep K/V
+in a storage object rather than one kv_cache tensor, so they take the storage and the layer index instead.
 """
 
 import os
@@ -51,13 +61,23 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """One way to attend: build_metadata once per pass, forward once per layer."""
+    """One way to attend: build_metadata once per pass; do_kv_cache_update, then forward, once per layer."""
 
     name = ""
 
     @abstractmethod
     def build_metadata(self, batch, block_size: int, device) -> AttentionMetadata:
         """This backend's metadata for one forward pass (batch: kvlab.cache.ragged_batch.BatchLayout)."""
+
+    def do_kv_cache_update(self, storage, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                           slot_mapping: torch.Tensor, metadata: AttentionMetadata | None = None) -> None:
+        """Store the pass's new key, value [T, Hkv, D] at slot_mapping [T] of layer layer_idx, before forward reads.
+
+        slot_mapping: int64 on the pools' device, its slots already checked against the pool on the host (once per
+        pass, by the paged cache's set_batch), so no layer reads it back. Here the storage writes (a torch index,
+        or quantisation for an 8-bit storage).
+        """
+        storage.write(layer_idx, key, value, slot_mapping, checked=True)
 
     @abstractmethod
     def forward(self, storage, layer_idx: int, query: torch.Tensor, metadata: AttentionMetadata,
@@ -152,7 +172,9 @@ class TritonMetadata(AttentionMetadata):
     seq_lens: torch.Tensor | None = None            # [num_seqs] int32
     decode_only: bool = False
     max_seq_len: int = 0
-    # Settled by the first layer (every layer has the same shapes): the validated shape and the split-KV plan.
+    # Settled by the first layer (every layer has the same shapes): the cache write's inputs checked, the
+    # validated attention shape and the split-KV plan.
+    cache_write_checked: bool = False
     shape: object = None
     split_kv: bool = False
     num_splits: int = 1
@@ -178,6 +200,28 @@ class TritonBackend(AttentionBackend):
                               seq_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
                               decode_only=all(n == 1 for n in batch.query_lens),
                               max_seq_len=max(batch.context_lens, default=0))
+
+    def do_kv_cache_update(self, storage, layer_idx, key, value, slot_mapping, metadata=None) -> None:
+        """Float pools (float32, float16, bfloat16): Chapter 7's store kernel, kvlab.kernels.reshape_and_cache,
+        one program per token; 8-bit pools: the storage's own write. key, value [T, Hkv, D]; slot_mapping [T] int64.
+        """
+        if storage.scale_granularity is not None:
+            # An 8-bit storage decides its scales while it writes: a (block, KV head) scale grows with the values
+            # that fill the block and requantises what the block already holds, a (token, KV head) scale comes from
+            # the token's own values. The store kernel copies float rows and knows no scale. (vLLM's store kernel
+            # is handed the layer's k_scale / v_scale and quantises with them: TritonAttentionImpl passes them.)
+            return super().do_kv_cache_update(storage, layer_idx, key, value, slot_mapping, metadata)
+        from kvlab import kernels  # here: importing kvlab.kernels switches Triton to its interpreter without CUDA
+
+        k_pool, v_pool, _, _ = storage.kernel_inputs(layer_idx)
+        if metadata is None or not metadata.cache_write_checked:
+            # Every layer has the same shapes: the first layer of a pass checks them (and the slots, once more,
+            # before anything of the pass is stored); the others launch without reading the slots back.
+            kernels.reshape_and_cache(key, value, k_pool, v_pool, slot_mapping)
+            if metadata is not None:
+                metadata.cache_write_checked = True
+            return
+        kernels.cache_write.launch_reshape_and_cache(key, value, k_pool, v_pool, slot_mapping)
 
     def forward(self, storage, layer_idx, query, metadata: TritonMetadata, scaling) -> torch.Tensor:
         # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.

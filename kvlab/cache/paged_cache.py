@@ -2,8 +2,8 @@
 
 As the runner hook it serves a ragged batch: the T tokens of one forward pass belong to several
 sequences (one prefill chunk or one decode token each). Before the pass, `set_batch` says which
-sequence owns which tokens; `attend` writes every token's K/V through the slot mapping, then each
-sequence's queries attend over its blocks, gathered through its block table.
+sequence owns which tokens; `attend` has the attention backend write every token's K/V through the slot
+mapping (do_kv_cache_update), then each sequence's queries attend over its blocks.
 
 A PagedKVCache is composed of two parts, so that any pair works:
 
@@ -159,11 +159,12 @@ class PagedKVCache:
         self._metadata = self.attn_backend.build_metadata(batch, self.block_size, self.storage.device)
 
     def attend(self, layer_idx, query, key, value, scaling):
-        """The runner hook: write this pass's K/V by slot, then each sequence attends over its blocks ([1, T, H, D])."""
+        """The runner hook: the backend stores this pass's K/V by slot, then each sequence attends ([1, T, H, D])."""
         batch = self.batch
         if batch is None:
             raise RuntimeError(f"call set_batch(...) before running the model on a {type(self).__name__}")
-        self.storage.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), self._slots, checked=True)
+        self.attn_backend.do_kv_cache_update(self.storage, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                             self._slots, self._metadata)
         return self.attn_backend.forward(self.storage, layer_idx, query, self._metadata, scaling)[None]
 
     def finish_pass(self) -> None:

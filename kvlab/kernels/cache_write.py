@@ -10,8 +10,11 @@ so the pool's block `slot // block_size` gets the row in its slot `slot % block_
 marks a padding row (vLLM pads a step's tokens up to a CUDA-graph size and gives the padding slot -1):
 it is skipped. One program per token copies its num_kv_heads x head_dim values, as vLLM's
 `reshape_and_cache_flash` kernels do (csrc/cache_kernels.cu, and the Triton one in
-vllm/v1/attention/ops/triton_reshape_and_cache_flash.py). kvlab's engine writes with a torch index
-(`KVStorage.write`); `reshape_and_cache_reference` is that write, and the tests hold the kernel to it.
+vllm/v1/attention/ops/triton_reshape_and_cache_flash.py). kvlab's engine stores float pools with this kernel
+when it attends with the Triton backend (TritonBackend.do_kv_cache_update in kvlab.cache.attention_backends,
+as vLLM's TritonAttentionImpl.do_kv_cache_update calls triton_reshape_and_cache_flash); its other backends
+write with a torch index (`KVStorage.write`). `reshape_and_cache_reference` is that torch write, and the tests
+hold the kernel to it.
 """
 
 import torch
@@ -100,6 +103,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], changed in place.
     """
     validate_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    launch_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def launch_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """reshape_and_cache's launch alone, for inputs that validate_cache_write_inputs already passed.
+
+    The engine checks a pass's first layer and launches the others directly: they have the same shapes, and the
+    slot check would read slot_mapping back from the GPU once per layer.
+    """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
