@@ -11,6 +11,17 @@ blocks, so at least the last prompt token is always computed: the model needs it
 first output token. When a prompt of k full blocks is cached entirely, the hit is therefore k - 1
 blocks and the whole last block (block_size tokens) is recomputed into a fresh block.
 
+use_eagle=True (vLLM's KVCacheManager argument, set by its scheduler from speculative_config.use_eagle(), true
+for the methods "eagle", "eagle3" and "mtp") drops the last block of every non-empty hit as well. Those
+proposers draft from the target model's hidden states, and a cache hit brings back K/V, not hidden states:
+recomputing the last matched block gives the drafter the states it needs. The two rules stack, as in vLLM
+V1 (vllm/v1/core/kv_cache_manager.py get_computed_blocks caps the hit at len(prompt) - 1 tokens;
+vllm/v1/core/single_type_kv_cache_manager.py FullAttentionManager.find_longest_cache_hit then pops one block
+when use_eagle): a prompt of k full blocks, all cached, hits k - 2 blocks and recomputes two. The hit then
+shrinks further to a multiple of alignment_tokens, which for one group of layers is the block size (a hybrid
+model's groups align to the least common multiple of their block sizes): kvlab has one group, so nothing
+more is dropped. kvlab has no EAGLE proposer and its engine builds the manager with use_eagle=False.
+
 Speculative decoding (vLLM V1's way) adds two arguments and one call: allocate_slots(...,
 num_draft_tokens=k, num_lookahead_tokens=L) takes slots for k unverified draft tokens (the last k of
 new_token_ids, never hashed) and keeps L more slots free for a draft model's own K/V;
@@ -37,9 +48,13 @@ class KVCacheManager(PooledBlockManager):
     get_computed_blocks finds cached blocks, and allocate_slots hashes every block that fills.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False):
+        if not isinstance(use_eagle, bool):
+            raise ValueError(f"use_eagle is True (a proposer that drafts from the target's hidden states) or False, "
+                             f"got {use_eagle!r}")
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        self.use_eagle = use_eagle  # drop the last block of every cache hit: its hidden states must be recomputed
         self.num_cached_tokens: dict[object, int] = {}
         # To hash a block when it fills, keep each request's chain of full-block hashes and the
         # tokens of its partly filled last block.
@@ -64,7 +79,8 @@ class KVCacheManager(PooledBlockManager):
                             extra_keys: Hashable | None = None) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the prompt's start, and the tokens they cover (changes nothing).
 
-        The run stops one token short of the prompt, so the last token is always recomputed.
+        The run stops one token short of the prompt, so the last token is always recomputed; with use_eagle it
+        then loses its last block too, whose tokens are recomputed for their hidden states.
         """
         self._check_new(request_id)
         if not self.enable_prefix_caching:
@@ -78,6 +94,8 @@ class KVCacheManager(PooledBlockManager):
             if block is None:
                 break
             hits.append(block)
+        if self.use_eagle and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def num_blocks_to_allocate(self, request_id, num_new_tokens: int,
