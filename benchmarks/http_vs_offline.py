@@ -157,7 +157,6 @@ def run_async(llm, prompts, params) -> tuple[float, int, list[str]]:
         outs = await asyncio.gather(*(one(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))))
         seconds = time.perf_counter() - start
         await async_llm.shutdown()
-        async_llm._executor.shutdown()
         return seconds, outs
 
     seconds, outs = asyncio.run(go())

@@ -5,67 +5,117 @@
         print(out.outputs[0].text)          # the whole text so far (CUMULATIVE, the default), after every step
                                             # that moved it; output_kind=DELTA gives only the new text
 
-One thread owns the engine. Every call into it (add a request, abort one, step, read the metrics)
-runs on that thread, one after another, so the engine needs no locks and the event loop never waits
-on a step: a step runs while the loop accepts connections and streams other requests' tokens. The
-engine loop steps while any request is unfinished and sleeps until the next one arrives. A consumer
-that stops reading (a client that disconnected, a cancelled task) aborts its request at once, which
-frees its blocks.
+One thread owns the engine and runs its busy loop, as vLLM's EngineCore does in a process of its own
+(vllm/v1/engine/core.py): take in the calls that arrived (add a request, abort one, read the metrics),
+step while any request is unfinished, hand each step's outputs to the event loop, and sleep only when
+there is nothing to do. Calls run on that thread between two steps, one after another, so the engine
+needs no locks; the next step starts as soon as the last one ends, never waiting for the event loop
+to schedule it, while the loop accepts connections and streams the tokens of the step before. A
+consumer that stops reading (a client that disconnected, a cancelled task) aborts its request at
+once, which frees its blocks.
 """
 
 import asyncio
-import concurrent.futures
 import itertools
+import queue
+import threading
 from collections.abc import AsyncIterator
 
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling_params import SamplingParams
 
+_STOP = object()  # asks the engine thread to end
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # its awaiting task may have been cancelled meanwhile
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
 
 class AsyncLLM:
-    """An LLMEngine driven by an asyncio loop: generate() streams RequestOutputs; abort() stops a request."""
+    """An LLMEngine stepped by a thread of its own for an asyncio loop: generate() streams RequestOutputs."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-engine")
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()   # (fn, args, future) for the engine thread
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None     # where outputs are delivered
         self._streams: dict[str, asyncio.Queue] = {}
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.num_aborted = 0
         self.errored: BaseException | None = None  # an exception the engine loop died of
 
     async def run(self, fn, *args):
-        """fn(*args) on the engine's thread, in order with the steps; awaits its result."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """fn(*args) on the engine's thread, between two steps; awaits its result."""
+        if self.errored is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.errored!r}")
+        self._loop = asyncio.get_running_loop()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._busy_loop, name="kvlab-engine", daemon=True)
+            self._thread.start()
+        future = self._loop.create_future()
+        self._calls.put((fn, args, future))
+        return await future
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop(), name="kvlab-engine-loop")
+    def _busy_loop(self) -> None:
+        """The engine thread: calls that arrived, then a step while any request is unfinished; sleep when idle."""
+        engine = self.engine
+        while True:
+            try:
+                item = self._calls.get(block=not engine.has_unfinished_requests())
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                fn, args, future = item
+                try:
+                    result, error = fn(*args), None
+                except BaseException as err:  # the caller's to handle (a bad request): the engine serves on
+                    result, error = None, err
+                self._post(future.get_loop(), _settle, future, result, error)
+                try:
+                    item = self._calls.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as err:  # a bug in a step: every stream and every later call hears of it
+                self.errored = err
+                self._post(self._loop, self._fail_all, err)
+                return
+            if outputs:
+                self._post(self._loop, self._dispatch, outputs)
 
-    def _step_if_busy(self) -> list[RequestOutput] | None:
-        """One engine step, or None when no request is unfinished: one hand-off to the engine's thread per step."""
-        return self.engine.step() if self.engine.has_unfinished_requests() else None
-
-    async def _engine_loop(self) -> None:
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:
         try:
-            while True:
-                self._wake.clear()  # before the check: a request added after it sets the event again
-                outputs = await self.run(self._step_if_busy)
-                if outputs is None:
-                    await self._wake.wait()
-                    continue
-                for out in outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-        except Exception as err:  # a bug in a step: every stream hears of it instead of hanging
-            self.errored = err
-            for queue in self._streams.values():
-                queue.put_nowait(err)
-            raise
+            loop.call_soon_threadsafe(fn, *args)
+        except (AttributeError, RuntimeError):  # no loop, or it has closed: nobody is listening any more
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(err)
+        while True:  # calls that will never run
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                _settle(item[2], None, RuntimeError(f"the engine loop has stopped: {err!r}"))
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
@@ -76,15 +126,13 @@ class AsyncLLM:
         if self.errored is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.errored!r}")
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
         finished = False
         try:
             await self.run(self.engine.add_request, request_id, prompt, params)
-            self._ensure_loop()
-            self._wake.set()
             while True:
-                out = await queue.get()
+                out = await stream.get()
                 if isinstance(out, BaseException):
                     raise RuntimeError("the engine loop failed") from out
                 finished = out.finished
@@ -97,6 +145,9 @@ class AsyncLLM:
                 await asyncio.shield(self._abort_if_running(request_id))
 
     async def _abort_if_running(self, request_id: str) -> None:
+        if self.errored is not None:  # the engine thread has ended: there is nothing left to free
+            return
+
         def abort():
             if self.engine.is_running(request_id):
                 self.engine.abort_request(request_id)
@@ -109,19 +160,18 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (its stream ends with an aborted output)."""
         await self._abort_if_running(str(request_id))
-        queue = self._streams.get(str(request_id))
-        if queue is not None:
-            queue.put_nowait(await self.run(self.engine.output, str(request_id)))
+        stream = self._streams.get(str(request_id))
+        if stream is not None:
+            stream.put_nowait(await self.run(self.engine.output, str(request_id)))
 
     async def get_metrics(self) -> list:
         """The engine's metrics, read on its thread between steps (kvlab.engine.metrics)."""
         return await self.run(self.engine.get_metrics)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._executor.shutdown(wait=True)
+        """End the engine thread (after the step it is in); the engine keeps its state."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._calls.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        self._thread = None
