@@ -38,6 +38,12 @@ ALLOWED_KVLAB = {
                          "kvlab.baselines", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # Widgets draw plain data: the block views' helpers are all they may read of the package.
     "kvlab.widgets": {"kvlab.core.block_views"},
+    # GPU-scale simulation: a step-time model and vLLM's capacity arithmetic, and the engine's own scheduler on a
+    # virtual clock above them; it sits on top of the engine, the baselines and the measurements, and nothing
+    # in kvlab imports it.
+    "kvlab.simulation": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
+                         "kvlab.spec_decode", "kvlab.baselines", "kvlab.benchmarks", "kvlab.analysis",
+                         "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
     "kvlab.course": {"kvlab.kernels"},
     # The HTTP server sits on the engine; nothing below imports it.
@@ -60,6 +66,8 @@ FORBIDDEN_THIRD_PARTY = {
     "kvlab.spec_decode": {"ipywidgets", "triton"},
     "kvlab.decoding": {"ipywidgets"},
     "kvlab.baselines": {"ipywidgets"},
+    # No model runs in a simulation: its clock comes from the step-time model.
+    "kvlab.simulation": {"torch", "transformers", "triton", "ipywidgets"},
 }
 
 
@@ -162,6 +170,7 @@ def test_the_checker_sees_a_planted_upward_import():
     ("kvlab.analysis.memory_sim", ("torch", "transformers")),
     ("kvlab.quantization", ("transformers", "triton")),
     ("kvlab.kernels", ("transformers", "kvlab.cache", "kvlab.engine", "kvlab.model")),
+    ("kvlab.analysis.vllm_bridge", ("kvlab.simulation",)),
 ])
 def test_importing_a_layer_loads_nothing_above_it(module, absent):
     """The same rule at run time, in a fresh interpreter: what a module pulls in, transitively."""

@@ -1,0 +1,15 @@
+"""Serving at GPU scale without a GPU: a step-time model of a real LLM on a real GPU, and the KV capacity of a
+deployment by vLLM's start-up arithmetic.
+
+    gpus        datasheet figures of A100-40GB/80GB, H100 SXM, H200, L4 and T4, each with its source
+    step_time   ModelSpec from a Hugging Face config; the roofline time of one ragged step, operator by operator
+    profiles    the model against Vidur's measured operator and all-reduce times (assets/gpu_profiles)
+    capacity    KV blocks and tokens of a deployment: GPU, tensor parallelism, gpu_memory_utilization, KV dtype
+"""
+
+from kvlab.simulation.capacity import activation_peak_bytes, kv_capacity
+from kvlab.simulation.gpus import GPU, GPUS, get_gpu
+from kvlab.simulation.step_time import ModelSpec, StepTime, step_time, weight_bytes_per_gpu
+
+__all__ = ["GPU", "GPUS", "ModelSpec", "StepTime", "activation_peak_bytes", "get_gpu", "kv_capacity", "step_time",
+           "weight_bytes_per_gpu"]
