@@ -22,8 +22,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.request import RequestOutput
-from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.request import CompletionOutput, RequestOutput
+from kvlab.engine.sampling_params import RequestOutputKind, SamplingParams
 
 _STOP = object()  # asks the engine thread to end
 
@@ -36,6 +36,50 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
             future.set_exception(error)
 
 
+class RequestOutputCollector:
+    """One request's outputs on their way to its consumer: a single slot, never a backlog (vLLM's class of the name,
+    vllm/v1/engine/output_processor.py).
+
+    When the engine gets ahead of the consumer (a busy event loop), a DELTA output is merged into the one
+    still waiting (texts and token ids joined), and any other kind replaces it (the newer cumulative text
+    holds the older). So a stream that falls behind catches up in one piece, one server-sent event, rather
+    than one event per step it missed.
+    """
+
+    __slots__ = ("aggregate", "output", "ready")
+
+    def __init__(self, output_kind: RequestOutputKind):
+        self.aggregate = output_kind is RequestOutputKind.DELTA
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, BaseException):
+            return  # the failure stays what the consumer hears
+        elif self.aggregate:
+            self.output = merge_deltas(self.output, output)
+        else:
+            self.output = output
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.output is None:
+            await self.ready.wait()
+        output, self.output = self.output, None
+        self.ready.clear()
+        return output
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of a request as one: each completion's text and token ids joined."""
+    outputs = [CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
+                                stop_reason=b.stop_reason or a.stop_reason)
+               for a, b in zip(first.outputs, then.outputs)]
+    return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, outputs, then.finished)
+
+
 class AsyncLLM:
     """An LLMEngine stepped by a thread of its own for an asyncio loop: generate() streams RequestOutputs."""
 
@@ -44,7 +88,7 @@ class AsyncLLM:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()   # (fn, args, future) for the engine thread
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None     # where outputs are delivered
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestOutputCollector] = {}
         self._ids = itertools.count()
         self.num_aborted = 0
         self.errored: BaseException | None = None  # an exception the engine loop died of
@@ -104,11 +148,11 @@ class AsyncLLM:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _fail_all(self, err: BaseException) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(err)
+            stream.put(err)
         while True:  # calls that will never run
             try:
                 item = self._calls.get_nowait()
@@ -121,12 +165,14 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its RequestOutput after every step that gave it tokens, the finished one last.
 
-        A bad request raises ValueError before anything is yielded (and the engine serves on).
+        Steps that ended while the consumer was busy come as one output (RequestOutputCollector). A bad
+        request raises ValueError before anything is yielded (and the engine serves on).
         """
         if self.errored is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.errored!r}")
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        stream: asyncio.Queue = asyncio.Queue()
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
+        stream = RequestOutputCollector(kind)
         self._streams[request_id] = stream
         finished = False
         try:
@@ -162,7 +208,7 @@ class AsyncLLM:
         await self._abort_if_running(str(request_id))
         stream = self._streams.get(str(request_id))
         if stream is not None:
-            stream.put_nowait(await self.run(self.engine.output, str(request_id)))
+            stream.put(await self.run(self.engine.output, str(request_id)))
 
     async def get_metrics(self) -> list:
         """The engine's metrics, read on its thread between steps (kvlab.engine.metrics)."""

@@ -36,7 +36,7 @@ def test_streams_grow_and_match_the_offline_engine(embedded_model):
         return seen
 
     seen = asyncio.run(run())
-    assert seen[-1] == want and len(seen) == 20, "one output per step, the last one the whole text"
+    assert seen[-1] == want and len(seen) > 5, "an output per step (steps the consumer missed merged), the last whole"
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), "each output extends the one before"
 
 
@@ -49,7 +49,8 @@ def test_the_event_loop_runs_while_the_engine_steps(embedded_model):
         async def ticker():
             while not stop.is_set():
                 ticks.append(llm.engine.step_count)
-                await asyncio.sleep(0)
+                # A short sleep, not sleep(0): a loop that never waits would hold the GIL against the engine thread.
+                await asyncio.sleep(0.001)
 
         task = asyncio.create_task(ticker())
         async for _ in llm.generate("HAMLET.\n", SamplingParams(temperature=0, max_tokens=60)):

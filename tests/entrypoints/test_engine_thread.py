@@ -59,3 +59,24 @@ def test_a_failing_step_reaches_the_stream_and_later_calls(embedded_model):
         return llm
 
     assert isinstance(asyncio.run(asyncio.wait_for(run(), 30)).errored, RuntimeError), "the failure is kept"
+
+
+def test_a_consumer_that_falls_behind_gets_the_missed_steps_in_one_output(embedded_model):
+    from kvlab.engine.sampling_params import RequestOutputKind
+
+    async def run(kind):
+        llm = make(embedded_model)
+        stream = llm.generate("OTHELLO.\n", SamplingParams(temperature=0, max_tokens=60, output_kind=kind))
+        outs = [await anext(stream)]
+        time.sleep(0.3)  # several steps end meanwhile
+        outs.append(await anext(stream))
+        outs += [out async for out in stream]
+        await llm.shutdown()
+        return outs
+
+    delta = asyncio.run(run(RequestOutputKind.DELTA))
+    assert len(delta[1].outputs[0].token_ids) >= 3, "the steps missed while the loop slept arrive as one DELTA output"
+    assert sum(len(o.outputs[0].token_ids) for o in delta) == 60, "merged, not lost: every token arrives once"
+    cumulative = asyncio.run(run(RequestOutputKind.CUMULATIVE))
+    assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text
+    assert len(cumulative[1].outputs[0].token_ids) >= 4, "a CUMULATIVE consumer that was behind gets the newest only"
