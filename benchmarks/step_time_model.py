@@ -4,7 +4,8 @@ kvlab.simulation.step_time predicts each operator's time as a roofline over the 
 FLOP/s with one stated efficiency per operator class. This script sets it against every point of
 assets/gpu_profiles (Vidur's measurements on A100-80GB and H100 SXM: Llama-2-7B, Llama-2-70B, Llama-3-8B at
 1-32768 tokens and tensor parallelism 1-8, and NCCL all-reduces), then against published end-to-end decode
-latencies (gpt-fast's README; PyTorch/IBM's Llama-2-70B blog). It prints per-model tables (ratios at a ladder
+latencies (gpt-fast's README; PyTorch/IBM's Llama-2-70B blog) and TensorRT-LLM's published first-token latency
+and static-batch throughput on A100. It prints per-model tables (ratios at a ladder
 of token counts), the all-reduce table, a summary per operator class beside the error the module states
 (STATED_ERROR), and the end-to-end comparison; it exits non-zero if a point falls outside the stated error.
 Pure arithmetic, under a second. Run from the repository root::
@@ -39,6 +40,26 @@ PUBLISHED = [
     ("gpt-fast", "Llama-2-70B", 8, 1 / 62.50),
     ("PyTorch/IBM blog", "Llama-2-70B", 8, 29e-3),
 ]
+
+
+# NVIDIA/TensorRT-LLM docs/source/performance.md (the version whose throughput data is from v0.6.1): A100 GPUs
+# (FP16), "Low Latency" table (batch 1, first-token latency, data from TensorRT-LLM v0.5) and "Peak Throughput"
+# table (static batches, output tokens/s). The A100's memory size is not stated; taken as 80GB.
+TRT_FIRST_TOKEN = [("Llama-2-7B", 1, 128, 16e-3), ("Llama-2-7B", 1, 2048, 133e-3),
+                   ("Llama-2-70B", 4, 128, 47e-3), ("Llama-2-70B", 4, 2048, 377e-3)]
+TRT_THROUGHPUT = [("Llama-2-7B", 384, 128, 128, 5586), ("Llama-2-7B", 60, 128, 2048, 1928),
+                  ("Llama-2-7B", 52, 2048, 128, 591)]
+
+
+def static_batch_throughput(model, gpu, batch: int, input_len: int, output_len: int) -> float:
+    """Output tokens/s of one static batch: a prefill of every prompt in one pass (it samples the first token),
+    then output_len - 1 decode steps of the whole batch, no per-step host cost."""
+    from kvlab.simulation.step_time import step_time
+
+    total = step_time(model, gpu, prefills=[(input_len, 0)] * batch, step_overhead_s=0.0).total_s
+    for i in range(1, output_len):
+        total += step_time(model, gpu, decodes=[input_len + i + 1] * batch, step_overhead_s=0.0).total_s
+    return batch * output_len / total
 
 
 def published_models():
@@ -131,6 +152,20 @@ def main(argv=None) -> int:
         comm = step.num_layers * sum(t for op, t in step.per_layer.items() if op.endswith("all_reduce"))
         print(f"| {source} | {name} | {tp} | {seconds * 1e3:.2f} | {step.total_s * 1e3:.2f} | {comm * 1e3:.2f} "
               f"| {step.total_s / seconds:.2f} |")
+
+    print("\n## Published prefill latency and static-batch throughput (TensorRT-LLM performance.md, A100 FP16)")
+    print("| model | TP | batch | input | output | published | predicted | predicted / published |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, tp, input_len, seconds in TRT_FIRST_TOKEN:
+        pred = step_time(models[name], "A100-80GB", prefills=[(input_len, 0)], tensor_parallel_size=tp,
+                         step_overhead_s=0.0).total_s
+        print(f"| {name} | {tp} | 1 | {input_len} | 1 | {seconds * 1e3:.0f} ms first token | {pred * 1e3:.0f} ms "
+              f"| {pred / seconds:.2f} |")
+    for name, batch, input_len, output_len, tokens_per_s in TRT_THROUGHPUT:
+        pred = static_batch_throughput(models[name], "A100-80GB", batch, input_len, output_len)
+        # Throughput is the inverse of time: predicted time / published time = published / predicted rate.
+        print(f"| {name} | 1 | {batch} | {input_len} | {output_len} | {tokens_per_s:,} out tok/s | {pred:,.0f} "
+              f"out tok/s | {tokens_per_s / pred:.2f} (time) |")
     if outside:
         print(f"\n{outside} class(es) fall outside the stated error: update STATED_ERROR and the README together")
     return 1 if outside else 0

@@ -1,7 +1,7 @@
 """The GPU step-time model: its roofline regimes, tensor parallelism, bad input, every measured calibration point."""
 
 import importlib.util
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -142,9 +142,14 @@ def test_every_measured_point_is_within_the_stated_error(points):
 
 def test_the_layer_error_is_tight_where_the_time_is():
     """The sum of a layer's operators is what a step costs: its median error is a few percent."""
-    layers = sorted(p.ratio for p in operator_points() if p.op == "layer")
+    points = [p for p in operator_points() if p.op == "layer"]
+    layers = sorted(p.ratio for p in points)
     assert len(layers) == 432
-    assert 0.95 < layers[len(layers) // 2] < 1.05 and math.isclose(min(layers), min(layers))
+    assert 0.95 < layers[len(layers) // 2] < 1.05, f"median predicted / measured {layers[len(layers) // 2]:.2f}"
+    # The efficiencies were read from one file; the others are held out and must do as well.
+    held_out = sorted(p.ratio for p in points
+                      if (p.gpu, p.model, p.tensor_parallel_size) != ("A100-80GB", "Llama-2-7b-hf", 1))
+    assert 0.95 < statistics.median(held_out) < 1.05 and len(held_out) == 411
     assert STATED_ERROR["layer"][1] - STATED_ERROR["layer"][0] <= 0.5, "the per-layer bound must stay meaningful"
 
 
@@ -158,4 +163,4 @@ def test_the_benchmark_prints_every_table_and_passes(capsys):
     out = capsys.readouterr().out
     for heading in ("## Per operator", "## All-reduce", "## Summary", "## Published"):
         assert heading in out
-    assert "gpt-fast | Llama-2-70B | 8" in out
+    assert "gpt-fast | Llama-2-70B | 8" in out and "| Llama-2-7B | 1 | 1 | 2048 | 1 | 133 ms first token |" in out
