@@ -49,12 +49,14 @@ def kv_capacity(config, gpu: GPU | str, tensor_parallel_size: int = 1, gpu_memor
                 block_size: int = 16, kv_cache_dtype: str | None = "auto", max_num_batched_tokens: int = 8192,
                 max_num_seqs: int = 256, max_model_len: int | None = None, dtype: str | None = None,
                 activation_peak: int | None = None, other_bytes: int = 0,
-                cuda_graph_bytes: int = 0) -> KVBlockBudget:
+                cuda_graph_bytes: int = 0, gpu_memory_bytes: int | None = None) -> KVBlockBudget:
     """The KV blocks (and tokens) one worker of a deployment gets, by vLLM's formula.
 
     config is a Hugging Face config (dict or path); kv_cache_dtype 'auto' (the weights' dtype), a float dtype
     ('float16', 'bfloat16') or 'fp8'. Weights are the estimate of kvlab.analysis.vllm_bridge divided over the
-    tensor-parallel workers; activation_peak defaults to activation_peak_bytes (see the module docstring).
+    tensor-parallel workers; activation_peak defaults to activation_peak_bytes (see the module docstring);
+    gpu_memory_bytes defaults to the GPU's datasheet memory (a measured total, e.g. torch.cuda.mem_get_info's, is
+    what vLLM uses).
     """
     cfg = config_dict(config)
     gpu = get_gpu(gpu)
@@ -68,7 +70,7 @@ def kv_capacity(config, gpu: GPU | str, tensor_parallel_size: int = 1, gpu_memor
     # One worker's share: its K/V heads (the bridge's per-token arithmetic on a config of that many heads).
     worker_cfg = dict(cfg, num_key_value_heads=heads_per_gpu, head_dim=kv_shape(cfg)["head_dim"])
     return vllm_num_kv_blocks(
-        worker_cfg, gpu.memory_bytes, gpu_memory_utilization,
+        worker_cfg, gpu.memory_bytes if gpu_memory_bytes is None else gpu_memory_bytes, gpu_memory_utilization,
         weights_bytes=math.ceil(estimate_weights_bytes(cfg, dtype) / tp),
         activation_peak_bytes=activation_peak, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
         other_bytes=other_bytes, max_model_len=max_model_len, dtype=dtype, cuda_graph_bytes=cuda_graph_bytes,

@@ -4,9 +4,10 @@ Every figure is the vendor's datasheet figure, named in the GPU's `source`. Data
 real kernels; how far below them each kind of operator runs is the step-time model's business
 (kvlab.simulation.step_time.EFFICIENCY), not this table's.
 
-Memory: NVIDIA's "80GB" is binary (80 GiB of HBM), so `memory_bytes` is the datasheet figure in GiB; the
-driver reports slightly less (`torch.cuda.mem_get_info` on an A100-80GB: 79.2 GiB) because of what it reserves.
-vLLM sizes its pool from the reported total, so kvlab's capacity is an upper estimate by that margin.
+Memory: NVIDIA's "80GB" is binary (80 GiB of HBM), so `memory_bytes` is the datasheet figure in GiB. The driver
+reports less, because of what it reserves (and ECC on GDDR6): about 79 GiB of an A100-80GB, 140 GiB of an H200,
+22.5 GiB of an L4, 15 GiB of a T4. vLLM sizes its pool from the reported total, so kvlab's capacity from the
+datasheet is an upper estimate by that margin; kv_capacity(..., gpu_memory_bytes=...) takes a measured total.
 
 Tensor parallelism: `link_bytes_per_s` is the bandwidth ONE direction of one GPU's link to its peers (NVLink's
 datasheet figure is the sum of both directions, so it is halved here); PCIe cards (L4, T4) talk over PCIe.

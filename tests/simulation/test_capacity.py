@@ -55,5 +55,8 @@ def test_a_model_that_does_not_fit_gets_no_blocks():
     b = kv_capacity(load_model_config("llama-3-8b"), "T4")
     assert b.num_blocks == 0 and b.available_bytes < 0, "15 GiB of weights on a 16 GiB T4 at 0.92 leave nothing"
     assert not GPUS["T4"].bf16
+    smaller = kv_capacity(load_model_config("llama-3-8b"), "L4", gpu_memory_bytes=int(22.5 * GiB))
+    assert smaller.num_blocks < kv_capacity(load_model_config("llama-3-8b"), "L4").num_blocks, \
+        "the driver's smaller total (22.5 GiB of an L4's 24) leaves fewer blocks"
     with pytest.raises(ValueError, match="unknown GPU"):
         kv_capacity(load_model_config("llama-3-8b"), "A200")
