@@ -20,7 +20,10 @@ run does the same work), torch on one thread (OMP_NUM_THREADS=1) in both:
                       engine thread, the hand-off of every step to the event loop and the per-request queues
 
 Output tokens/s is the generated tokens over the wall time from the first request sent to the last one
-done. The two alternate, --repeats rounds after one warm-up each (the order flips every round), so a slow
+done. Over the timed HTTP runs the server process's CPU time is also read per thread (Linux's
+/proc/<pid>/task): its main thread runs the event loop (HTTP, JSON, streams), the others are the engine
+thread; printed per output token beside the wall time per token, it shows how much of the one GIL the
+HTTP work takes. The two alternate, --repeats rounds after one warm-up each (the order flips every round), so a slow
 moment of the machine falls on both alike; printed side by side: each run, the medians, and the ratio
 http / offline (medians, and the median of the per-round ratios). The greedy texts of both are compared:
 they must be equal, or the comparison would be of different work.
@@ -106,6 +109,23 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU time (user + system) of every thread of a process so far, by thread id ({} where /proc is missing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        times[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return times
 
 
 def run_offline(llm, prompts, params) -> tuple[float, int, list[str]]:
@@ -237,6 +257,7 @@ def main(argv=None) -> dict:
         systems[f"http, switch {args.switch_interval_ms:g} ms"] = lambda: run_http(
             f"http://127.0.0.1:{other_port}", prompts, lengths)
     runs = {side: [] for side in systems}
+    server_cpu = {"event loop": 0.0, "engine and other threads": 0.0}
     try:
         want = None
         for side, run in systems.items():  # a warm-up each, and the texts every side must give
@@ -247,7 +268,11 @@ def main(argv=None) -> dict:
                 raise AssertionError(f"{bad} of {len(want)} greedy texts differ between {side} and LLM.generate")
         for r in range(args.repeats):
             for side in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+                before = thread_cpu_seconds(server.pid) if side == "http" else {}
                 seconds, tokens, _ = systems[side]()
+                for tid, cpu in thread_cpu_seconds(server.pid).items() if side == "http" else ():
+                    where = "event loop" if tid == server.pid else "engine and other threads"
+                    server_cpu[where] += cpu - before.get(tid, 0.0)
                 runs[side].append({"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds})
                 print(f"round {r + 1} {side:<18} {tokens} tokens in {seconds:6.2f} s: {tokens / seconds:7.0f} tok/s",
                       flush=True)
@@ -259,7 +284,8 @@ def main(argv=None) -> dict:
     ratios = [h["tok_per_s"] / o["tok_per_s"] for h, o in zip(runs["http"], runs["offline"])]
     report = {"requests": args.requests, "output_tokens": sum(lengths), "engine": knobs, "repeats": args.repeats,
               "median_tok_per_s": med, "ratio_of_medians": med["http"] / med["offline"],
-              "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "runs": runs}
+              "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "runs": runs,
+              "server_cpu_seconds": server_cpu}
     print(f"\n{args.requests} requests, {sum(lengths)} output tokens, greedy, max_num_seqs {args.max_num_seqs}, "
           f"OMP_NUM_THREADS=1, median of {args.repeats} alternated runs:")
     names = {"offline": "offline LLM.generate", "http": "kvlab serve over HTTP"}
@@ -269,6 +295,12 @@ def main(argv=None) -> dict:
               f"runs {min(spread):.0f}-{max(spread):.0f})")
     print(f"  http / offline            {report['ratio_of_medians']:.2f} (per round: "
           f"{', '.join(f'{x:.2f}' for x in ratios)}; median {report['median_round_ratio']:.2f})")
+    http_tokens = sum(x["tokens"] for x in runs["http"])
+    if http_tokens and sum(server_cpu.values()) > 0:
+        per_token = {k: v / http_tokens * 1e3 for k, v in server_cpu.items()}
+        wall = sum(x["seconds"] for x in runs["http"]) / http_tokens * 1e3
+        print(f"  server CPU per output token over the timed http runs: event loop {per_token['event loop']:.3f} ms, "
+              f"engine thread (and any other) {per_token['engine and other threads']:.3f} ms; wall {wall:.3f} ms")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -35,4 +35,7 @@ def test_the_benchmark_compares_equal_work_and_stops_its_server(monkeypatch, tmp
     runs = report["runs"]["http"]
     assert len(runs) == 1 and runs[0]["tokens"] == report["output_tokens"], "every requested token came back"
     assert started and all(proc.poll() is not None for proc in started), "the server process must be stopped"
+    cpu = report["server_cpu_seconds"]
+    assert set(cpu) == {"event loop", "engine and other threads"} and cpu["engine and other threads"] > 0, (
+        "the server's CPU time is read per thread over the timed HTTP runs: the engine thread did the work")
     assert (tmp_path / "out.json").exists()
