@@ -63,8 +63,13 @@ def apply_min_tokens(logits: torch.Tensor, num_output_tokens: list[int], params:
     Row i samples its request's output number num_output_tokens[i] + 1; while num_output_tokens[i] <
     params[i].min_tokens its stop tokens (the model's EOS ids unless ignore_eos, and stop_token_ids) cannot
     be drawn (vLLM's MinTokensLogitsProcessor, vllm/v1/sample/logits_processor/builtin.py). The rows of
-    one request verifying drafts come as consecutive rows, with consecutive counts. Returns logits itself
-    when no row needs a mask, else a masked copy.
+    one request verifying drafts come as consecutive rows, with consecutive counts: kvlab masks every
+    verified position, so a drafted stop token is rejected where the target could not draw it. vLLM
+    accepts min_tokens with speculative decoding too, but its rejection sampler applies only penalties,
+    bad words and allowed ids to the drafted positions (vllm/v1/sample/rejection_sampler.py), so there an
+    accepted draft can put EOS in the text before min_tokens; its scheduler's check_stop (v1/core/sched/
+    utils.py) then keeps the request running. Returns logits itself when no row needs a mask, else a
+    masked copy.
     """
     rows = [i for i, (n, p) in enumerate(zip(num_output_tokens, params)) if n < p.min_tokens]
     if not rows:
