@@ -5,11 +5,24 @@ deployment by vLLM's start-up arithmetic.
     step_time   ModelSpec from a Hugging Face config; the roofline time of one ragged step, operator by operator
     profiles    the model against Vidur's measured operator and all-reduce times (assets/gpu_profiles)
     capacity    KV blocks and tokens of a deployment: GPU, tensor parallelism, gpu_memory_utilization, KV dtype
+    engine      kvlab's own Scheduler and KVCacheManager over a runner that runs no model, on a virtual clock of
+                step times (simulate: a trace through paging, Orca's reservations or static batching)
 """
 
 from kvlab.simulation.capacity import activation_peak_bytes, kv_capacity
+from kvlab.simulation.engine import (
+                                     GPUStepTime,
+                                     SimRequest,
+                                     SimulatedEngine,
+                                     SimulatedModelRunner,
+                                     SimulationResult,
+                                     StepComposition,
+                                     run_static,
+                                     simulate,
+)
 from kvlab.simulation.gpus import GPU, GPUS, get_gpu
 from kvlab.simulation.step_time import ModelSpec, StepTime, step_time, weight_bytes_per_gpu
 
-__all__ = ["GPU", "GPUS", "ModelSpec", "StepTime", "activation_peak_bytes", "get_gpu", "kv_capacity", "step_time",
-           "weight_bytes_per_gpu"]
+__all__ = ["GPU", "GPUS", "GPUStepTime", "ModelSpec", "SimRequest", "SimulatedEngine", "SimulatedModelRunner",
+           "SimulationResult", "StepComposition", "StepTime", "activation_peak_bytes", "get_gpu", "kv_capacity",
+           "run_static", "simulate", "step_time", "weight_bytes_per_gpu"]
