@@ -17,18 +17,21 @@ run does the same work), torch on one thread (OMP_NUM_THREADS=1) in both:
                       incrementally) instead of only finished requests: the cost of detokenising along
                       the way
   async (no http)     kvlab's AsyncLLM in this process, every request consumed as a stream: adds the
-                      engine thread, the hand-off of every step to the event loop and the per-request queues
+                      engine thread's busy loop, the hand-off of every step's outputs to the event loop and
+                      a single-slot collector per request
 
 Output tokens/s is the generated tokens over the wall time from the first request sent to the last one
 done. Over the timed HTTP runs the server process's CPU time is also read per thread (Linux's
 /proc/<pid>/task): its main thread runs the event loop (HTTP, JSON, streams), the others are the engine
 thread; printed per output token beside the wall time per token, it shows how much of the one GIL the
-HTTP work takes. The two alternate, --repeats rounds after one warm-up each (the order flips every round), so a slow
-moment of the machine falls on both alike; printed side by side: each run, the medians, and the ratio
-http / offline (medians, and the median of the per-round ratios). The greedy texts of both are compared:
-they must be equal, or the comparison would be of different work.
+HTTP work takes. The client's CPU time (this process, which runs nothing else meanwhile) is printed too:
+the HTTP side needs the server's core and part of another. The systems alternate, --repeats rounds after
+one warm-up each (the order flips every round), so a slow moment of the machine falls on all alike;
+printed side by side: each run, the medians, and the ratio http / offline (medians, and the median of
+the per-round ratios). The greedy texts of all are compared: they must be equal, or the comparison
+would be of different work.
 
-Run from the repository root (about a minute on a 2-core CPU)::
+Run from the repository root (a few minutes on a 2-core CPU with --breakdown)::
 
     OMP_NUM_THREADS=1 python benchmarks/http_vs_offline.py [--requests 64] [--max-num-seqs 32] [--repeats 5]
         [--breakdown]
@@ -258,6 +261,7 @@ def main(argv=None) -> dict:
             f"http://127.0.0.1:{other_port}", prompts, lengths)
     runs = {side: [] for side in systems}
     server_cpu = {"event loop": 0.0, "engine and other threads": 0.0}
+    client_cpu = 0.0
     try:
         want = None
         for side, run in systems.items():  # a warm-up each, and the texts every side must give
@@ -269,7 +273,10 @@ def main(argv=None) -> dict:
         for r in range(args.repeats):
             for side in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
                 before = thread_cpu_seconds(server.pid) if side == "http" else {}
+                client_before = time.process_time()
                 seconds, tokens, _ = systems[side]()
+                if side == "http":
+                    client_cpu += time.process_time() - client_before
                 for tid, cpu in thread_cpu_seconds(server.pid).items() if side == "http" else ():
                     where = "event loop" if tid == server.pid else "engine and other threads"
                     server_cpu[where] += cpu - before.get(tid, 0.0)
@@ -285,7 +292,7 @@ def main(argv=None) -> dict:
     report = {"requests": args.requests, "output_tokens": sum(lengths), "engine": knobs, "repeats": args.repeats,
               "median_tok_per_s": med, "ratio_of_medians": med["http"] / med["offline"],
               "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "runs": runs,
-              "server_cpu_seconds": server_cpu}
+              "server_cpu_seconds": server_cpu, "client_cpu_seconds": client_cpu}
     print(f"\n{args.requests} requests, {sum(lengths)} output tokens, greedy, max_num_seqs {args.max_num_seqs}, "
           f"OMP_NUM_THREADS=1, median of {args.repeats} alternated runs:")
     names = {"offline": "offline LLM.generate", "http": "kvlab serve over HTTP"}
@@ -300,7 +307,8 @@ def main(argv=None) -> dict:
         per_token = {k: v / http_tokens * 1e3 for k, v in server_cpu.items()}
         wall = sum(x["seconds"] for x in runs["http"]) / http_tokens * 1e3
         print(f"  server CPU per output token over the timed http runs: event loop {per_token['event loop']:.3f} ms, "
-              f"engine thread (and any other) {per_token['engine and other threads']:.3f} ms; wall {wall:.3f} ms")
+              f"engine thread (and any other) {per_token['engine and other threads']:.3f} ms; wall {wall:.3f} ms; "
+              f"the client (this process) {client_cpu / http_tokens * 1e3:.3f} ms")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
