@@ -12,11 +12,13 @@ m blocks of prompt, and nothing else. The trace holds no text and no tokens.
 are a fixed function of the id: its first `id_digits` tokens spell the id in base `vocab_size` (so two different
 ids differ within those tokens), the rest are a hash of (seed, id, offset) reduced mod `vocab_size`. A prompt is
 its ids' blocks concatenated and cut to `input_length` (a last partial block is a prefix of its id's block). For
-a kvlab block size b that divides 512 and is at least `id_digits`, every kvlab block lies inside one Mooncake
-block, so two prompts' kvlab blocks hash alike exactly where their Mooncake blocks do. For a b that does not
-divide 512, the kvlab block straddling the first differing Mooncake block never matches (its tokens past the
-boundary differ), so a hit covers floor(512 m / b) blocks of b tokens, up to b - 1 tokens fewer than the trace
-shares.
+a kvlab block size b that divides 512 and is at least `id_digits` (2 for a vocabulary of 32,000 and the trace's
+ids), every kvlab block lies inside one Mooncake block and holds the id's digits if it starts one, so two
+prompts' kvlab blocks hash alike exactly where their Mooncake blocks do. For a b that does not divide 512, the
+kvlab block straddling the first differing Mooncake block does not match (it holds that block's digits), so a
+hit covers floor(512 m / b) blocks of b tokens, up to b - 1 tokens fewer than the trace shares; the one
+exception is a block that ends within the first id_digits - 1 tokens of a Mooncake block, whose ids may agree
+in the digits it holds.
 
 `prefix_cache_hits` replays a trace through kvlab's real KVCacheManager (prefix caching over the BlockPool's LRU
 free queue) with a given KV capacity, ignoring compute time: each request is admitted, and freed, before the
