@@ -17,7 +17,7 @@ from kvlab.engine.input_processor import InputProcessor
 from kvlab.engine.output_processor import OutputProcessor
 from kvlab.engine.outputs import EngineCoreOutput
 from kvlab.engine.request import Request, RequestOutput
-from kvlab.engine.sampler import sample
+from kvlab.engine.sampler import apply_min_tokens, sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.stats import EngineStats
 from kvlab.model.config import context_length, eos_token_ids
@@ -94,8 +94,10 @@ class StaticBatchingEngine:
                 lens[i] += len(feed[i])
             self.num_forward_passes += 1
             self.num_tokens_computed += sum(layout.query_lens)
-            tokens = sample(last_token_logits(logits, layout.query_lens), [batch[i].params for i in members],
-                            [generators[batch[i].request_id] or self.generator for i in members])
+            params = [batch[i].params for i in members]
+            rows = apply_min_tokens(last_token_logits(logits, layout.query_lens),
+                                    [len(batch[i].output_token_ids) for i in members], params, self.eos_token_ids)
+            tokens = sample(rows, params, [generators[batch[i].request_id] or self.generator for i in members])
             for i, t in zip(members, tokens):
                 r = batch[i]
                 if r.status.finished:

@@ -135,3 +135,15 @@ def test_a_stop_string_that_begins_inside_the_first_min_tokens_and_ends_after_th
     o.process_outputs([EngineCoreOutput("r", [0], RequestStatus.RUNNING)])                           # "a"
     outs, stopped = o.process_outputs([EngineCoreOutput("r", [1], RequestStatus.RUNNING)])           # "ab"
     assert outs[0].outputs[0].text == "" and stopped == ["r"], "vLLM's rule: the stop string must end after them"
+
+
+def test_static_batching_holds_min_tokens_too(early_eos):
+    from kvlab.baselines.static_batching import StaticBatchingEngine
+
+    model, prompt, eos = early_eos
+    engine = StaticBatchingEngine(model, None, batch_size=2, block_size=4)
+    short, held = engine.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=12),
+                                                     SamplingParams(temperature=0, max_tokens=12, min_tokens=8)])
+    assert len(short.outputs[0].token_ids) == 3, "the baseline stops at the EOS without min_tokens"
+    got = held.outputs[0].token_ids
+    assert len(got) >= 8 and eos not in got[:8], f"static batching masks the EOS before min_tokens too; got {got}"
