@@ -1,0 +1,200 @@
+"""How fast the simulated engine replays a trace on this CPU, and where its time goes.
+
+kvlab.simulation.engine drives kvlab's own Scheduler and KVCacheManager without a model, on a clock of roofline
+step times; every scheduled request still goes through the real scheduling, block allocation and prefix
+hashing each step, so a run costs about the work of its scheduled tokens. Two workloads:
+
+  figure12   the paper's Figure 12 point: OPT-13B on one A100-40GB (pool from kv_capacity), max_model_len 2048,
+             block 16, --requests requests whose lengths are drawn (seeded, with replacement) from the shipped
+             ShareGPT-like chat trace (assets/traces/chat.csv: means 152 in / 310 out), Poisson arrivals at each
+             --rates, every --systems (paged, orca-oracle, orca-pow2, orca-max, static)
+  mooncake   a stand-in with the Mooncake conversation trace's shape (prompts of 4-43 blocks of 512 tokens, mean
+             about 12k tokens, built from 512-token hash blocks that later turns of a session repeat; outputs of
+             mean 343; 12,031 requests per hour): Llama-3-8B on --mooncake-gpu with tensor parallelism --tp
+
+Reported per run: simulated steps, steps/s and requests/s of this machine's wall time (median of --repeats runs),
+and for figure12 the time a whole sweep would take (--sweep-rates x 5 systems x 3 seeds, from the measured
+per-run time of each system, interpolated over the rates measured). --profile runs each workload once under
+cProfile and prints the cumulative time of the engine's parts: the scheduler's schedule() and
+update_from_output(), the KV cache manager's allocate_slots / num_blocks_to_allocate / get_computed_blocks, the
+block hashing (kvlab.core.prefix_cache), the simulated runner and the step-time model.
+
+    OMP_NUM_THREADS=1 python benchmarks/sim_engine.py [--workload figure12 mooncake] [--requests 1000]
+        [--rates 4 12] [--systems paged orca-oracle orca-pow2 orca-max static] [--mooncake-requests 400]
+        [--repeats 3] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
+
+SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
+MOONCAKE_RATE = 12031 / 3600   # the conversation trace's mean request rate (requests per second)
+HASH_BLOCK = 512               # Mooncake's prefix-hash block, in tokens
+
+
+def figure12_requests(count: int, rate: float, seed: int):
+    """count requests with lengths drawn from the chat trace (seeded), prompts of fresh token ids, Poisson arrivals."""
+    from kvlab.analysis.traces import load_trace
+    from kvlab.benchmarks.datasets import poisson_arrivals
+    from kvlab.paths import ASSETS_DIR
+    from kvlab.simulation.engine import SimRequest
+
+    trace = load_trace(ASSETS_DIR / "traces" / "chat.csv")
+    rng = random.Random(seed)
+    picked = [rng.choice(trace) for _ in range(count)]
+    return [SimRequest(a, [rng.randrange(50000) for _ in range(r.prompt_len)], r.output_len)
+            for a, r in zip(poisson_arrivals(count, rate, seed), picked)]
+
+
+def mooncake_like_requests(count: int, seed: int = 0):
+    """A stand-in with the conversation trace's shape: sessions whose turns repeat the earlier turns' hash blocks."""
+    from kvlab.benchmarks.datasets import poisson_arrivals
+    from kvlab.simulation.engine import SimRequest
+
+    rng = random.Random(seed)
+    blocks: dict[int, list[int]] = {}
+
+    def tokens_of(hash_id: int) -> list[int]:
+        if hash_id not in blocks:
+            r = random.Random(hash_id)
+            blocks[hash_id] = [r.randrange(128000) for _ in range(HASH_BLOCK)]
+        return blocks[hash_id]
+
+    sessions: list[list[int]] = []
+    next_hash = 0
+    requests = []
+    for arrival in poisson_arrivals(count, MOONCAKE_RATE, seed):
+        if not sessions or rng.random() < 0.3:      # a new conversation
+            sessions.append([])
+        session = rng.choice(sessions[-20:])        # one of the recent conversations continues
+        want = rng.randint(4, 43)                    # blocks of this turn's prompt: 2k-22k tokens, mean ~12k
+        while len(session) < want:
+            session.append(next_hash)
+            next_hash += 1
+        ids = [t for h in session[:want] for t in tokens_of(h)]
+        requests.append(SimRequest(arrival, ids[:want * HASH_BLOCK - rng.randrange(HASH_BLOCK)],
+                                   max(1, min(2000, int(rng.expovariate(1 / 343))))))
+    return requests
+
+
+PARTS = {
+    "Scheduler.schedule (all of it)": ("scheduler.py", "schedule"),
+    "  KVCacheManager.allocate_slots": ("kv_cache_manager.py", "allocate_slots"),
+    "  KVCacheManager.num_blocks_to_allocate": ("kv_cache_manager.py", "num_blocks_to_allocate"),
+    "  KVCacheManager.get_computed_blocks": ("kv_cache_manager.py", "get_computed_blocks"),
+    "  Scheduler._blocks_freed_by_preemption": ("scheduler.py", "_blocks_freed_by_preemption"),
+    "  Scheduler._tell_runner": ("scheduler.py", "_tell_runner"),
+    "Scheduler.update_from_output": ("scheduler.py", "update_from_output"),
+    "block hashing (hash_block_tokens)": ("prefix_cache.py", "hash_block_tokens"),
+    "SimulatedModelRunner.execute_model": ("simulation/engine.py", "execute_model"),
+    "GPUStepTime (the step-time model)": ("simulation/engine.py", "__call__"),
+}
+
+
+def profile(run) -> None:
+    """Run once under cProfile; print the cumulative seconds of the engine's parts and their share."""
+    prof = cProfile.Profile()
+    prof.enable()
+    result = run()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items())
+    print(f"  profiled: {result.num_steps} steps, {len(result.timings)} requests, {total:.1f} s under cProfile")
+    for label, (file, func) in PARTS.items():
+        cum = sum(ct for (f, _, name), (_, _, _, ct, _) in stats.items() if f.endswith(file) and name == func)
+        calls = sum(nc for (f, _, name), (_, nc, _, _, _) in stats.items() if f.endswith(file) and name == func)
+        print(f"  {label:<44} {cum:7.2f} s {100 * cum / total:5.1f}%  {calls:>9} calls")
+
+
+def timed(run, repeats: int):
+    """(median wall seconds, the last result) of repeats runs."""
+    seconds, result = [], None
+    for _ in range(repeats):
+        result = run()
+        seconds.append(result.wall_s)
+    return statistics.median(seconds), result
+
+
+def bench_figure12(args) -> dict:
+    from kvlab.simulation.engine import simulate
+
+    print(f"\nfigure12: OPT-13B on one A100-40GB, {args.requests} ShareGPT-like requests per run, median of "
+          f"{args.repeats} runs")
+    print(f"{'rate':>6} {'system':<12} {'steps':>7} {'preempt':>8} {'wall s':>7} {'steps/s':>8} {'req/s':>7}")
+    per_run: dict[str, dict[float, float]] = {s: {} for s in args.systems}
+    for rate in args.rates:
+        requests = figure12_requests(args.requests, rate, seed=0)
+        for system in args.systems:
+            wall, r = timed(lambda requests=requests, system=system: simulate(
+                requests, "opt-13b", "A100-40GB", system=system, max_model_len=2048), args.repeats)
+            per_run[system][rate] = wall
+            print(f"{rate:>6g} {system:<12} {r.num_steps:>7} {r.num_preemptions:>8} {wall:>7.2f} "
+                  f"{r.num_steps / wall:>8.0f} {len(r.timings) / wall:>7.0f}")
+    sweep = 0.0
+    for system, by_rate in per_run.items():
+        rates = sorted(by_rate)
+        for rate in args.sweep_rates:  # the nearest measured rate's time stands for it
+            sweep += 3 * by_rate[min(rates, key=lambda r: abs(r - rate))]
+    print(f"a sweep of {len(args.sweep_rates)} rates x {len(args.systems)} systems x 3 seeds, from these runs: "
+          f"about {sweep:.0f} s on one core")
+    if args.profile:
+        rate = max(args.rates)
+        requests = figure12_requests(args.requests, rate, seed=0)
+        print(f"profile: paged at {rate:g} req/s")
+        profile(lambda: simulate(requests, "opt-13b", "A100-40GB", max_model_len=2048))
+    return per_run
+
+
+def bench_mooncake(args) -> None:
+    from kvlab.simulation.engine import simulate
+
+    requests = mooncake_like_requests(args.mooncake_requests)
+    mean_prompt = statistics.fmean(len(r.prompt_token_ids) for r in requests)
+    print(f"\nmooncake-like: {len(requests)} requests (mean prompt {mean_prompt:.0f} tokens, mean output "
+          f"{statistics.fmean(r.output_len for r in requests):.0f}) at {MOONCAKE_RATE:.2f} req/s, Llama-3-8B on "
+          f"{args.tp} x {args.mooncake_gpu}, median of {args.repeats} runs")
+
+    def run():
+        return simulate(requests, "llama-3-8b", args.mooncake_gpu, tensor_parallel_size=args.tp,
+                        max_model_len=32768)
+
+    wall, r = timed(run, args.repeats)
+    print(f"  {r.num_steps} steps, {r.num_preemptions} preemptions, prefix hit rate {r.prefix_hit_rate:.2f}, "
+          f"{r.num_blocks} blocks; {wall:.2f} s: {r.num_steps / wall:.0f} steps/s, {len(requests) / wall:.1f} req/s; "
+          f"the 12,031-request trace at this rate: about {12031 / (len(requests) / wall):.0f} s")
+    if args.profile:
+        profile(run)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", nargs="+", default=["figure12", "mooncake"], choices=["figure12", "mooncake"])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 12.0])
+    parser.add_argument("--sweep-rates", type=float, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 14],
+                        help="the rate grid whose sweep time is estimated")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--mooncake-requests", type=int, default=400)
+    parser.add_argument("--mooncake-gpu", default="H100-SXM")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if "figure12" in args.workload:
+        bench_figure12(args)
+    if "mooncake" in args.workload:
+        bench_mooncake(args)
+
+
+if __name__ == "__main__":
+    main()
