@@ -8,9 +8,10 @@ hashing each step, so a run costs about the work of its scheduled tokens. Two wo
              block 16, --requests requests whose lengths are drawn (seeded, with replacement) from the shipped
              ShareGPT-like chat trace (assets/traces/chat.csv: means 152 in / 310 out), Poisson arrivals at each
              --rates, every --systems (paged, orca-oracle, orca-pow2, orca-max, static)
-  mooncake   a stand-in with the Mooncake conversation trace's shape (prompts of 4-43 blocks of 512 tokens, mean
-             about 12k tokens, built from 512-token hash blocks that later turns of a session repeat; outputs of
-             mean 343; 12,031 requests per hour): Llama-3-8B on --mooncake-gpu with tensor parallelism --tp
+  mooncake   the Mooncake conversation trace (assets/traces, kvlab.analysis.mooncake), its first
+             --mooncake-requests requests at their real arrival times, prompts synthesized from their 512-token
+             hash ids and streamed one at a time: Llama-3-8B's shape on --mooncake-gpu with tensor parallelism
+             --tp, max_model_len 131,072
 
 Reported per run: simulated steps, steps/s and requests/s of this machine's wall time (median of --repeats runs),
 and for figure12 the time a whole sweep would take (--sweep-rates x 5 systems x 3 seeds, from the measured
@@ -20,7 +21,7 @@ update_from_output(), the KV cache manager's allocate_slots / num_blocks_to_allo
 block hashing (kvlab.core.prefix_cache), the simulated runner and the step-time model.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_engine.py [--workload figure12 mooncake] [--requests 1000]
-        [--rates 4 12] [--systems paged orca-oracle orca-pow2 orca-max static] [--mooncake-requests 400]
+        [--rates 4 12] [--systems paged orca-oracle orca-pow2 orca-max static] [--mooncake-requests 600]
         [--repeats 3] [--profile]
 """
 
@@ -38,8 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
 SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
-MOONCAKE_RATE = 12031 / 3600   # the conversation trace's mean request rate (requests per second)
-HASH_BLOCK = 512               # Mooncake's prefix-hash block, in tokens
+MOONCAKE_MAX_MODEL_LEN = 131072  # the trace's longest request is 121,912 tokens (Llama-3.1's context)
 
 
 def figure12_requests(count: int, rate: float, seed: int):
@@ -56,35 +56,15 @@ def figure12_requests(count: int, rate: float, seed: int):
             for a, r in zip(poisson_arrivals(count, rate, seed), picked)]
 
 
-def mooncake_like_requests(count: int, seed: int = 0):
-    """A stand-in with the conversation trace's shape: sessions whose turns repeat the earlier turns' hash blocks."""
-    from kvlab.benchmarks.datasets import poisson_arrivals
+def mooncake_requests(count: int, vocab_size: int = 128256):
+    """The conversation trace's first count requests, prompts synthesized from their 512-token hash ids
+    (kvlab.analysis.mooncake.PromptSynthesizer: equal id prefixes give equal tokens), streamed one at a time."""
+    from kvlab.analysis.mooncake import PromptSynthesizer, load_mooncake_trace
     from kvlab.simulation.engine import SimRequest
 
-    rng = random.Random(seed)
-    blocks: dict[int, list[int]] = {}
-
-    def tokens_of(hash_id: int) -> list[int]:
-        if hash_id not in blocks:
-            r = random.Random(hash_id)
-            blocks[hash_id] = [r.randrange(128000) for _ in range(HASH_BLOCK)]
-        return blocks[hash_id]
-
-    sessions: list[list[int]] = []
-    next_hash = 0
-    requests = []
-    for arrival in poisson_arrivals(count, MOONCAKE_RATE, seed):
-        if not sessions or rng.random() < 0.3:      # a new conversation
-            sessions.append([])
-        session = rng.choice(sessions[-20:])        # one of the recent conversations continues
-        want = rng.randint(4, 43)                    # blocks of this turn's prompt: 2k-22k tokens, mean ~12k
-        while len(session) < want:
-            session.append(next_hash)
-            next_hash += 1
-        ids = [t for h in session[:want] for t in tokens_of(h)]
-        requests.append(SimRequest(arrival, ids[:want * HASH_BLOCK - rng.randrange(HASH_BLOCK)],
-                                   max(1, min(2000, int(rng.expovariate(1 / 343))))))
-    return requests
+    trace = load_mooncake_trace("conversation", limit=count)
+    synth = PromptSynthesizer(vocab_size)
+    return trace, (SimRequest(r.arrival_s, synth.prompt_token_ids(r).tolist(), r.output_length) for r in trace)
 
 
 PARTS = {
@@ -158,20 +138,21 @@ def bench_figure12(args) -> dict:
 def bench_mooncake(args) -> None:
     from kvlab.simulation.engine import simulate
 
-    requests = mooncake_like_requests(args.mooncake_requests)
-    mean_prompt = statistics.fmean(len(r.prompt_token_ids) for r in requests)
-    print(f"\nmooncake-like: {len(requests)} requests (mean prompt {mean_prompt:.0f} tokens, mean output "
-          f"{statistics.fmean(r.output_len for r in requests):.0f}) at {MOONCAKE_RATE:.2f} req/s, Llama-3-8B on "
-          f"{args.tp} x {args.mooncake_gpu}, median of {args.repeats} runs")
+    trace, _ = mooncake_requests(args.mooncake_requests)
+    print(f"\nmooncake: the conversation trace's first {len(trace)} requests (mean prompt "
+          f"{statistics.fmean(r.input_length for r in trace):.0f} tokens, mean output "
+          f"{statistics.fmean(r.output_length for r in trace):.0f}, arriving over {trace[-1].arrival_s:.0f} s), "
+          f"Llama-3-8B on {args.tp} x {args.mooncake_gpu}, max_model_len {MOONCAKE_MAX_MODEL_LEN}, median of "
+          f"{args.repeats} runs")
 
     def run():
-        return simulate(requests, "llama-3-8b", args.mooncake_gpu, tensor_parallel_size=args.tp,
-                        max_model_len=32768)
+        return simulate(mooncake_requests(args.mooncake_requests)[1], "llama-3-8b", args.mooncake_gpu,
+                        tensor_parallel_size=args.tp, max_model_len=MOONCAKE_MAX_MODEL_LEN)
 
     wall, r = timed(run, args.repeats)
     print(f"  {r.num_steps} steps, {r.num_preemptions} preemptions, prefix hit rate {r.prefix_hit_rate:.2f}, "
-          f"{r.num_blocks} blocks; {wall:.2f} s: {r.num_steps / wall:.0f} steps/s, {len(requests) / wall:.1f} req/s; "
-          f"the 12,031-request trace at this rate: about {12031 / (len(requests) / wall):.0f} s")
+          f"{r.num_blocks} blocks; {wall:.2f} s: {r.num_steps / wall:.0f} steps/s, {len(trace) / wall:.1f} req/s; "
+          f"the 12,031-request trace at this rate: about {12031 / (len(trace) / wall):.0f} s")
     if args.profile:
         profile(run)
 
@@ -184,7 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep-rates", type=float, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 14],
                         help="the rate grid whose sweep time is estimated")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--mooncake-requests", type=int, default=400)
+    parser.add_argument("--mooncake-requests", type=int, default=600)
     parser.add_argument("--mooncake-gpu", default="H100-SXM")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
