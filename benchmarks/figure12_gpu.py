@@ -15,6 +15,7 @@ interpolated crossing rate, and the paged / baseline ratios next to the paper's 
 
     OMP_NUM_THREADS=1 python benchmarks/figure12_gpu.py [--requests 1000] [--rates 0.5 1 1.5 2 2.5 3]
         [--seeds 0 1 2] [--bound 2] [--json benchmarks/saved/figure12_gpu.json]
+    python benchmarks/figure12_gpu.py --from-json a.json b.json   (the seeds of separate sweeps, summarised together)
 """
 
 from __future__ import annotations
@@ -48,9 +49,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--bound", type=float, default=2.0)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "saved" / "figure12_gpu.json")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None,
+                        help="simulate nothing: summarise the seeds of saved sweeps (of distinct seeds) together")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be distinct, got {args.seeds}")
+    if args.from_json:
+        by_seed, seconds, requests = {}, 0.0, None
+        for path in args.from_json:
+            saved = json.loads(path.read_text())
+            requests = saved["requests"]
+            seconds += saved.get("seconds") or 0.0
+            for seed, curves in saved["curves_by_seed"].items():
+                if int(seed) in by_seed:
+                    parser.error(f"seed {seed} appears in more than one of {args.from_json}")
+                by_seed[int(seed)] = {s: {float(r): v for r, v in c.items()} for s, c in curves.items()}
+        return _save(summarise(by_seed, args.bound, requests, 989, seconds), args.json)
 
     by_seed = {seed: {s: {} for s in args.systems} for seed in args.seeds}
     bar = tqdm(total=len(args.seeds) * len(args.rates) * len(args.systems), desc="seed x rate x system", unit="run",
@@ -64,12 +78,15 @@ def main(argv=None) -> dict:
                 by_seed[seed][system][rate] = normalized_latency(result.timings)
                 bar.update(1)
     bar.close()
-    report = summarise(by_seed, args.bound, args.requests, 989, time.perf_counter() - started)
+    return _save(summarise(by_seed, args.bound, args.requests, 989, time.perf_counter() - started), args.json)
+
+
+def _save(report: dict, path: Path) -> dict:
     report.update(model=MODEL, gpu=GPU, max_model_len=MAX_MODEL_LEN,
                   paper_ratios={"orca-oracle": [1.7, 2.7], "orca-max": [2.7, 8.0]})
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
     return report
 
 
