@@ -36,6 +36,14 @@ class RequestTiming:
     finish: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each step that gave it tokens ended
 
+    def got_tokens(self, now: float, finished: bool = False) -> None:
+        """The step that ended at `now` gave this request tokens (its first ones, if it had none)."""
+        self.token_times.append(now)
+        if self.first_token is None:
+            self.first_token = now
+        if finished:
+            self.finish = now
+
     def metrics(self) -> LatencyMetrics:
         """TTFT, TPOT, ITL and E2E by the one definition (kvlab.benchmarks.latency)."""
         return latency_metrics(self.arrival, self.token_times, self.output_len)
@@ -98,13 +106,8 @@ def replay_arrivals(engine, prompts, output_lens, arrivals, clock="cpu", max_ste
         if spans is not None:
             spans.append((began, now))
         for out in outputs:
-            t = timings[int(out.request_id)]
-            t.token_times.append(now)
-            if t.first_token is None:
-                t.first_token = now
-            if out.finished:
-                t.finish = now
-                done += 1
+            timings[int(out.request_id)].got_tokens(now, out.finished)
+            done += out.finished
     if done != len(prompts):
         raise RuntimeError(f"only {done} of {len(prompts)} requests finished within {max_steps} steps")
     return timings
@@ -133,7 +136,6 @@ def replay_static(static_engine, prompts, output_lens, rate: float, batch_size: 
                                 for i in batch])
         now += timer() - start
         for i in batch:  # a static batch returns when its longest member is done
-            timings[i].first_token = timings[i].finish = now
-            timings[i].token_times = [now]
+            timings[i].got_tokens(now, finished=True)
         nxt = batch[-1] + 1
     return timings

@@ -398,12 +398,8 @@ class SimulatedEngine:
                 steps.append(SimStep(self.step_count, tuple(scheduler_output.num_scheduled_tokens.items()),
                                      tuple(scheduler_output.preempted_req_ids), used, began, now))
             for out in outputs:
-                timing = active[out.request_id]
-                timing.token_times.append(now)
-                if timing.first_token is None:
-                    timing.first_token = now
+                active[out.request_id].got_tokens(now, out.status.finished)
                 if out.status.finished:
-                    timing.finish = now
                     del active[out.request_id]
                     done += 1
         else:
@@ -480,8 +476,7 @@ def run_static(requests: Iterable[SimRequest], step_time_fn: StepTimeFn, batch_s
             computed += len(live)
         now += seconds
         for i in range(first, first + len(batch)):
-            timings[i].first_token = timings[i].finish = now
-            timings[i].token_times = [now]
+            timings[i].got_tokens(now, finished=True)
         first += len(batch)
     return SimulationResult(timings, num_steps, 0, sum(t.prompt_len for t in timings), 0, computed, peak, 0, now,
                             time.perf_counter() - started)
