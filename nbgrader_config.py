@@ -16,7 +16,7 @@ import os
 
 from nbformat.v4 import new_output
 from nbgrader.converters import Autograde
-from nbgrader.preprocessors import LimitOutput
+from nbgrader.preprocessors import LimitOutput, NbGraderPreprocessor
 from nbgrader.utils import is_grade
 from traitlets import Integer
 
@@ -63,6 +63,13 @@ c.Execute.raise_on_iopub_timeout = False
 # Errors in a cell never stop the run: nbgrader's Execute hard-codes allow_errors=True, so a
 # cell that raises only zeroes the test cells that depend on it.
 
+# Measurements that earn no points (a load ramp, a sweep of batch sizes) carry the cell tag
+# "skip-autograde": the learner's Run All runs them, nbgrader's autograde and validate do not, so
+# grading a class costs the exercises and their tests, not the chapter's experiments. Such a cell
+# imports nothing and defines nothing that a later untagged cell uses (tests/course/test_skip_tags.py).
+SKIP_TAG = "skip-autograde"
+c.Execute.skip_cells_with_tag = SKIP_TAG
+
 
 class LimitOutputOrFail(LimitOutput):
     """LimitOutput that also caps characters and zeroes a test cell whose output was cut."""
@@ -101,6 +108,18 @@ class LimitOutputOrFail(LimitOutput):
         return cell, resources
 
 
+class HonourSkipTagOutsideGradedCells(NbGraderPreprocessor):
+    """Drop the skip tag from every cell nbgrader grades or restores: a submission that tags its own
+    test cells (so that they would not run, and nbgrader would count a silent test as passed) is
+    graded as if it had not. (An NbGraderPreprocessor: nbconvert's plain Preprocessor is disabled by default.)"""
+
+    def preprocess_cell(self, cell, resources, cell_index):
+        tags = cell.metadata.get("tags")
+        if tags and SKIP_TAG in tags and cell.metadata.get("nbgrader"):
+            cell.metadata["tags"] = [tag for tag in tags if tag != SKIP_TAG]
+        return cell, resources
+
+
 # Keep the outputs stored in autograded notebooks and feedback small: enough to debug with.
 c.LimitOutput.max_lines = 1000
 c.LimitOutput.max_traceback = 100
@@ -110,4 +129,8 @@ _default_steps = Autograde.class_traits()["autograde_preprocessors"].default()
 assert LimitOutput in _default_steps, "nbgrader changed its autograde pipeline: update this file"
 c.Autograde.autograde_preprocessors = [
     LimitOutputOrFail if step is LimitOutput else step for step in _default_steps
+]
+# After OverwriteCells, which restores the graded cells' source but keeps the submission's tags.
+c.Autograde.sanitize_preprocessors = [
+    *Autograde.class_traits()["sanitize_preprocessors"].default(), HonourSkipTagOutsideGradedCells
 ]

@@ -32,6 +32,10 @@ SAMPLES = [
 ]
 CELL_TIMEOUT = int(os.environ.get("KVLAB_TEST_CELL_TIMEOUT", "30"))
 SOLUTION, UNTOUCHED = "reference-solution", "untouched-release"
+# nbgrader skips the cells tagged skip-autograde (a chapter's measurements; nbgrader_config.py). The reference
+# solution is graded as a class would be, tags honoured, and once more with the tags removed, so that every
+# measurement cell is also run and checked by nbgrader's own run.
+SOLUTION_EVERY_CELL, SKIP_TAG = "reference-solution-every-cell", "skip-autograde"
 
 # nbgrader's gradebook triggers these inside autograde; they are not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")
@@ -58,6 +62,9 @@ def graded(name: str, kept: Path) -> dict:
             SOLUTION: ROOT / release.SOURCE / name / f"{name}.ipynb",
             UNTOUCHED: ROOT / release.RELEASE / name / f"{name}.ipynb",
         }
+        every_cell = without_skip_tags(submissions[SOLUTION], kept / f"{name}-every-cell.ipynb")
+        if every_cell is not None:
+            submissions[SOLUTION_EVERY_CELL] = every_cell
         for sample in sorted((SUBMISSIONS_DIR / name).glob("*.ipynb")):
             submissions[student_id(sample.name)] = sample
         try:
@@ -68,6 +75,18 @@ def graded(name: str, kept: Path) -> dict:
     if isinstance(_runs[name], Exception):
         raise _runs[name]
     return _runs[name]
+
+
+def without_skip_tags(path: Path, dest: Path) -> Path | None:
+    """A copy of the notebook at path with its skip-autograde tags removed, or None if it has none."""
+    notebook = nbformat.read(path, as_version=4)
+    tagged = [cell for cell in notebook.cells if SKIP_TAG in cell.metadata.get("tags", [])]
+    if not tagged:
+        return None
+    for cell in tagged:
+        cell.metadata["tags"] = [tag for tag in cell.metadata["tags"] if tag != SKIP_TAG]
+    nbformat.write(notebook, dest)
+    return dest
 
 
 def result_of(name: str, student: str, kept: Path) -> dict:
@@ -96,7 +115,8 @@ def explain(result: dict) -> str:
 def test_solution_runs_without_error_and_writes_no_file(name, kept):
     """Every cell of the reference solution ran without an error in nbgrader's own run (demo cells included, which
     grading alone would not notice), and the notebook wrote no file beside itself."""
-    result = result_of(name, SOLUTION, kept)
+    every_cell = SOLUTION_EVERY_CELL in graded(name, kept)["students"]
+    result = result_of(name, SOLUTION_EVERY_CELL if every_cell else SOLUTION, kept)
     notebook = nbformat.read(result["notebook"], as_version=4)
     errors = [f"cell {i}: {out.ename}: {out.evalue}"[:400] for i, cell in enumerate(notebook.cells)
               if cell.cell_type == "code" for out in cell.get("outputs", []) if out.output_type == "error"]
@@ -119,6 +139,11 @@ def test_solution_scores_full_marks(name, kept):
         f"{explain(result)}\nA test cell scores zero if it raises, times out ({CELL_TIMEOUT} s "
         "here) or writes to stderr (warnings count!); its last line's value, if it is a number, "
         "is taken as partial credit.")
+    notebook = nbformat.read(result["notebook"], as_version=4)
+    errors = [f"cell {i}: {out.ename}: {out.evalue}"[:400] for i, cell in enumerate(notebook.cells)
+              if cell.cell_type == "code" for out in cell.get("outputs", []) if out.output_type == "error"]
+    assert not errors, (f"graded as a class is graded ({SKIP_TAG} cells skipped), {name}'s solution fails in:\n"
+                        + "\n".join(errors) + f"\nan untagged cell must not need a {SKIP_TAG} cell")
 
 
 @pytest.mark.slow
