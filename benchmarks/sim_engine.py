@@ -17,8 +17,9 @@ Reported per run: simulated steps, steps/s and requests/s of this machine's wall
 and for figure12 the time a whole sweep would take (--sweep-rates x 5 systems x 3 seeds, from the measured
 per-run time of each system, interpolated over the rates measured). --profile runs each workload once under
 cProfile and prints the cumulative time of the engine's parts: the scheduler's schedule() and
-update_from_output(), the KV cache manager's allocate_slots / num_blocks_to_allocate / get_computed_blocks, the
-block hashing (kvlab.core.prefix_cache), the simulated runner and the step-time model.
+update_from_output(), the KV cache manager's allocate_blocks / num_blocks_to_allocate / get_computed_blocks, the
+block hashing (kvlab.core.prefix_cache; the simulator hashes with "builtin"), the simulated runner and the
+step-time model.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_engine.py [--workload figure12 mooncake] [--requests 1000]
         [--rates 4 12] [--systems paged orca-oracle orca-pow2 orca-max static] [--mooncake-requests 600]
@@ -69,13 +70,15 @@ def mooncake_requests(count: int, vocab_size: int = 128256):
 
 PARTS = {
     "Scheduler.schedule (all of it)": ("scheduler.py", "schedule"),
-    "  KVCacheManager.allocate_slots": ("kv_cache_manager.py", "allocate_slots"),
+    "  KVCacheManager.allocate_blocks": ("kv_cache_manager.py", "allocate_blocks"),
     "  KVCacheManager.num_blocks_to_allocate": ("kv_cache_manager.py", "num_blocks_to_allocate"),
     "  KVCacheManager.get_computed_blocks": ("kv_cache_manager.py", "get_computed_blocks"),
     "  Scheduler._blocks_freed_by_preemption": ("scheduler.py", "_blocks_freed_by_preemption"),
+    "    of which Scheduler._count_shared_blocks": ("scheduler.py", "_count_shared_blocks"),
     "  Scheduler._tell_runner": ("scheduler.py", "_tell_runner"),
     "Scheduler.update_from_output": ("scheduler.py", "update_from_output"),
-    "block hashing (hash_block_tokens)": ("prefix_cache.py", "hash_block_tokens"),
+    "block hashing (hash_block_tokens_builtin)": ("prefix_cache.py", "hash_block_tokens_builtin"),
+    "Request.append_output": ("request.py", "append_output"),
     "SimulatedModelRunner.execute_model": ("simulation/engine.py", "execute_model"),
     "GPUStepTime (the step-time model)": ("simulation/engine.py", "__call__"),
 }

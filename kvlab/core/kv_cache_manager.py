@@ -37,7 +37,7 @@ from collections.abc import Hashable, Sequence
 from kvlab.core.block_pool import KVCacheBlock, PooledBlockManager
 from kvlab.core.draft_tokens import plan_rollback
 from kvlab.core.paging import num_blocks_needed, slot_mapping_for
-from kvlab.core.prefix_cache import hash_block_tokens
+from kvlab.core.prefix_cache import get_hash_fn
 from kvlab.validation import check_int, is_integer
 
 
@@ -48,10 +48,14 @@ class KVCacheManager(PooledBlockManager):
     get_computed_blocks finds cached blocks, and allocate_slots hashes every block that fills.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False,
+                 prefix_caching_hash_algo: str = "sha256"):
         if not isinstance(use_eagle, bool):
             raise ValueError(f"use_eagle is True (a proposer that drafts from the target's hidden states) or False, "
                              f"got {use_eagle!r}")
+        # vLLM's --prefix-caching-hash-algo (kvlab.core.prefix_cache): sha256 unless a simulation asks for builtin.
+        self.hash_fn = get_hash_fn(prefix_caching_hash_algo)
+        self.prefix_caching_hash_algo = prefix_caching_hash_algo
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.use_eagle = use_eagle  # drop the last block of every cache hit: its hidden states must be recomputed
@@ -85,12 +89,12 @@ class KVCacheManager(PooledBlockManager):
         self._check_new(request_id)
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        size, hash_fn, get_cached_block = self.block_size, self.hash_fn, self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         parent = None
-        for i in range(max_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], extra_keys)
-            block = self.block_pool.get_cached_block(parent)
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            parent = hash_fn(parent, token_ids[start:start + size], extra_keys)
+            block = get_cached_block(parent)
             if block is None:
                 break
             hits.append(block)
@@ -105,7 +109,11 @@ class KVCacheManager(PooledBlockManager):
         after = current + len(computed_blocks) * self.block_size + num_new_tokens + num_lookahead_tokens
         # A speculating request may already hold lookahead blocks past its tokens.
         held = len(self.req_to_blocks.get(request_id, ())) + len(computed_blocks)
-        new = max(0, num_blocks_needed(after, self.block_size) - held)
+        new = -(-after // self.block_size) - held  # num_blocks_needed, inline: every running request, every step
+        if new < 0:
+            new = 0
+        if not computed_blocks:  # a running request (every step): no hits to take out of the free queue
+            return new
         free_hits = {b.block_id for b in computed_blocks if b.ref_cnt == 0}
         return new + len(free_hits)
 
@@ -119,21 +127,40 @@ class KVCacheManager(PooledBlockManager):
         hash. With prefix caching on, new_token_ids (the tokens being added) are required to hash those
         blocks. The last num_draft_tokens new tokens are unverified drafts (see rollback_draft_tokens);
         num_lookahead_tokens more slots past them are held too (a draft model writes its K/V there).
+        allocate_blocks does all of this without building the slots.
         """
-        computed_blocks = list(computed_blocks)
-        is_new = request_id not in self.req_to_blocks
-        # Check everything before changing anything, so a failed call leaves the manager as it was.
-        self._check_new_tokens(num_new_tokens, new_token_ids)
-        check_int("num_lookahead_tokens", num_lookahead_tokens, minimum=0)
-        if not is_integer(num_draft_tokens) or not 0 <= num_draft_tokens <= num_new_tokens:
+        self.allocate_blocks(request_id, num_new_tokens, computed_blocks, new_token_ids, extra_keys, num_draft_tokens,
+                             num_lookahead_tokens)
+        start = self.num_tokens[request_id] - num_new_tokens
+        first = start // self.block_size  # only the blocks the new tokens land in, not the whole table, on every decode
+        return slot_mapping_for([b.block_id for b in self.req_to_blocks[request_id][first:]],
+                                start - first * self.block_size, num_new_tokens, self.block_size)
+
+    def allocate_blocks(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
+                        new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None,
+                        num_draft_tokens: int = 0, num_lookahead_tokens: int = 0) -> None:
+        """allocate_slots without the slot mapping: the scheduler's call, as in vLLM V1, where the model runner
+        computes each step's slots from the block tables it is sent (vllm/v1/worker/block_table.py)."""
+        if computed_blocks:
+            computed_blocks = list(computed_blocks)
+        blocks = self.req_to_blocks.get(request_id)
+        # Check everything before changing anything, so a failed call leaves the manager as it was. The common
+        # case (plain ints) is tested inline; anything else goes to the check that names what is wrong.
+        if type(num_new_tokens) is not int or num_new_tokens < 1 \
+                or (new_token_ids is not None and len(new_token_ids) != num_new_tokens):
+            self._check_new_tokens(num_new_tokens, new_token_ids)
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            check_int("num_lookahead_tokens", num_lookahead_tokens, minimum=0)
+        if (type(num_draft_tokens) is not int or num_draft_tokens) \
+                and (not is_integer(num_draft_tokens) or not 0 <= num_draft_tokens <= num_new_tokens):
             raise ValueError(f"num_draft_tokens must be an integer from 0 to num_new_tokens ({num_new_tokens}), "
                              f"got {num_draft_tokens!r}")
         if num_draft_tokens and new_token_ids is None:
             raise ValueError("draft tokens need new_token_ids: the accepted ones are hashed after verification")
-        if self._req_drafts.get(request_id):
+        if blocks is not None and self._req_drafts[request_id]:
             raise ValueError(f"request {request_id!r} still has {len(self._req_drafts[request_id])} unverified draft "
                              f"tokens: call rollback_draft_tokens after verifying them, before allocating more")
-        if computed_blocks and not is_new:
+        if computed_blocks and blocks is not None:
             raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
         if self.enable_prefix_caching and new_token_ids is None:
             raise ValueError("prefix caching needs new_token_ids to hash the blocks that fill up")
@@ -141,13 +168,18 @@ class KVCacheManager(PooledBlockManager):
             if block.block_hash is None or self.block_pool.get_cached_block(block.block_hash) is not block:
                 raise ValueError(f"computed block {block.block_id} of request {request_id!r} is no longer cached "
                                  f"(evicted since get_computed_blocks?)")
-        self._check_free_blocks(request_id, self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks,
-                                                                        num_lookahead_tokens))
+        if blocks is None:
+            needed = self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        else:  # num_blocks_to_allocate of a running request, without the call (this runs for every request each step)
+            needed = num_blocks_needed(self.num_tokens[request_id] + num_new_tokens + num_lookahead_tokens,
+                                       self.block_size) - len(blocks)
+        if needed > self.block_pool.free_block_queue.num_free_blocks:
+            self._check_free_blocks(request_id, needed)
 
-        if is_new:
+        if blocks is None:
             # Touch hits before taking new blocks, so the new ones cannot evict them.
             self.block_pool.touch(computed_blocks)
-            self.req_to_blocks[request_id] = list(computed_blocks)
+            blocks = self.req_to_blocks[request_id] = list(computed_blocks)
             self.num_tokens[request_id] = len(computed_blocks) * self.block_size
             self.num_cached_tokens[request_id] = self.num_tokens[request_id]
             self._req_hashes[request_id] = [b.block_hash for b in computed_blocks]
@@ -156,9 +188,7 @@ class KVCacheManager(PooledBlockManager):
             self._req_drafts[request_id] = []
             self.queries += self.num_tokens[request_id] + num_new_tokens
             self.hits += self.num_tokens[request_id]
-        blocks = self.req_to_blocks[request_id]
-        start = self.num_tokens[request_id]
-        end = start + num_new_tokens
+        end = self.num_tokens[request_id] + num_new_tokens
         wanted = num_blocks_needed(end + num_lookahead_tokens, self.block_size)
         if wanted > len(blocks):
             blocks.extend(self.block_pool.get_new_blocks(wanted - len(blocks)))
@@ -167,10 +197,7 @@ class KVCacheManager(PooledBlockManager):
         if num_draft_tokens:
             self._req_drafts[request_id] = [int(t) for t in new_token_ids[verified:]]
         if self.enable_prefix_caching:
-            self._cache_filled_blocks(request_id, new_token_ids[:verified])
-        first = start // self.block_size  # only the blocks the new tokens land in, not the whole table, on every decode
-        return slot_mapping_for([b.block_id for b in blocks[first:]], start - first * self.block_size, num_new_tokens,
-                                self.block_size)
+            self._cache_filled_blocks(request_id, new_token_ids[:verified] if num_draft_tokens else new_token_ids)
 
     def rollback_draft_tokens(self, request_id, num_accepted_tokens: int, num_lookahead_tokens: int = 0) -> list[int]:
         """After verification: keep the first num_accepted_tokens drafts, drop the rest; returns the freed block ids.
@@ -197,14 +224,20 @@ class KVCacheManager(PooledBlockManager):
         return len(self._req_drafts.get(request_id, ()))
 
     def _cache_filled_blocks(self, request_id, new_token_ids: Sequence[int]) -> None:
-        hashes, tail = self._req_hashes[request_id], self._req_tail[request_id]
+        tail = self._req_tail[request_id]
+        tail += map(int, new_token_ids)
+        size = self.block_size
+        if len(tail) < size:  # a decode fills a block once every block_size tokens
+            return
+        hashes, hash_fn, extra_keys = self._req_hashes[request_id], self.hash_fn, self._req_extra_keys[request_id]
         first_new = len(hashes)
-        tail.extend(int(t) for t in new_token_ids)
-        while len(tail) >= self.block_size:
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tail[:self.block_size], self._req_extra_keys[request_id]))
-            del tail[:self.block_size]
-        if len(hashes) > first_new:  # a decode fills a block once every block_size tokens
+        parent = hashes[-1] if hashes else None
+        full = len(tail) // size * size
+        for start in range(0, full, size):
+            parent = hash_fn(parent, tail[start:start + size], extra_keys)
+            hashes.append(parent)
+        del tail[:full]
+        if len(hashes) > first_new:
             blocks = self.req_to_blocks[request_id]
             self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
 

@@ -20,6 +20,13 @@ on block hashes (the prefill and decode instances of a disaggregated set-up, a r
 KV-cache events) need the same PYTHONHASHSEED. kvlab keeps a fixed seed, the parent None, so that a
 block's hash is the same in every process and every run: tests can pin a digest and notebooks show
 the same hashes each time. (vLLM's cache_salt, for isolating tenants, has no counterpart here.)
+
+The hash function is a named choice, as vLLM's --prefix-caching-hash-algo is (vllm/utils/hashing.py offers
+sha256, its default and kvlab's, sha256_cbor, xxhash and xxhash_cbor). kvlab adds "builtin": Python's hash() of
+the same (parent, token ids, extra keys) tuple, about ten times faster than SHA-256 over a pickle. It suits a
+simulation that hashes millions of blocks and serves no K/V: its 64 bits make a collision among ten million
+blocks about a one-in-a-million event, and its values differ between processes (None and str are salted), so
+two processes cannot compare them. An engine that serves real K/V keeps sha256.
 """
 
 import hashlib
@@ -34,6 +41,24 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     """The hash of one full block given its parent's hash (None for the first block: kvlab's fixed seed)."""
     key = (parent_block_hash, tuple(int(t) for t in token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
+
+
+def hash_block_tokens_builtin(parent_block_hash: int | None, token_ids: Sequence[int],
+                              extra_keys: Hashable | None = None) -> int:
+    """The "builtin" choice: Python's 64-bit hash() of the same (parent, token ids, extra keys) key, for one process."""
+    return hash((parent_block_hash, tuple(token_ids), extra_keys))
+
+
+# --prefix-caching-hash-algo's values: name -> the function of (parent hash, token ids, extra keys).
+HASH_FUNCTIONS = {"sha256": hash_block_tokens, "builtin": hash_block_tokens_builtin}
+
+
+def get_hash_fn(name: str):
+    """The block-hash function of a --prefix-caching-hash-algo name; ValueError naming the choices otherwise."""
+    try:
+        return HASH_FUNCTIONS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_FUNCTIONS)}, got {name!r}") from None
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Hashable | None = None) -> list[BlockHash]:

@@ -21,12 +21,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished (length)"
     FINISHED_ABORTED = "finished (aborted)"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
+    def __init__(self, label: str):
+        # A plain attribute rather than a property: the scheduler asks it of every request at every step.
+        self.finished: bool = label.startswith("finished")
 
 
 class Request:
@@ -85,7 +82,7 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         """Tokens the next step may compute up to: the sequence plus its unverified draft tokens."""
-        return self.num_tokens + len(self.spec_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
 
     @property
     def is_prefill(self) -> bool:
@@ -102,7 +99,8 @@ class Request:
         if len(self.output_token_ids) >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.status = RequestStatus.FINISHED_STOPPED
-        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_len \
+        elif len(self.output_token_ids) >= p.max_tokens \
+                or len(self.prompt_token_ids) + len(self.output_token_ids) >= self.max_len \
                 or (max_model_len is not None and self.num_tokens >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
 

@@ -116,6 +116,11 @@ class Scheduler:
         self._resumed: set[str] = set()
         self._dropped_blocks: dict[str, int] = {}
         self._finished_req_ids: set[str] = set()
+        # Per running request, its blocks that a running request admitted before it also holds (prefix-cache hits
+        # on blocks in use), which its preemption would not free; recounted only after a request leaves from the
+        # middle of the running list (see _blocks_freed_by_preemption).
+        self._shared_before: dict[str, int] = {}
+        self._shared_stale = False
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -156,21 +161,24 @@ class Scheduler:
         shares = split_token_budget([r.num_tokens_with_spec - r.num_computed_tokens for r in running],
                                     self.max_num_batched_tokens)
         # Preempt until every request the budget reached has room for its tokens.
+        lookaheads = [self._lookahead(r, n) for r, n in zip(running, shares)]
+        blocks_to_allocate = self.kv.num_blocks_to_allocate
         victims = choose_preemption_victims(
             [(r.request_id, freed) for r, freed in zip(running, self._blocks_freed_by_preemption())],
             self.kv.num_free_blocks,
-            {r.request_id: self.kv.num_blocks_to_allocate(r.request_id, n,
-                                                          num_lookahead_tokens=self._lookahead(r, n))
-             for r, n in zip(running, shares)})
+            {r.request_id: blocks_to_allocate(r.request_id, n, num_lookahead_tokens=lookahead)
+             for r, n, lookahead in zip(running, shares, lookaheads)})
         # Every victim goes before anyone allocates, so the room choose_preemption_victims counted is free
         # when the requests the budget reached take their blocks.
-        by_id = {r.request_id: r for r in running}
-        for request_id in victims:
-            self.running.remove(by_id[request_id])
-            self._preempt(by_id[request_id], out)
-        for request, n in zip(running, shares):
-            if n and request in self.running:
-                self._allocate(request, n, out)
+        preempted = set(victims)
+        if victims:
+            by_id = {r.request_id: r for r in running}
+            for request_id in victims:
+                self._remove_running(by_id[request_id])
+                self._preempt(by_id[request_id], out)
+        for request, n, lookahead in zip(running, shares, lookaheads):
+            if n and (not preempted or request.request_id not in preempted):
+                self._allocate(request, n, out, lookahead=lookahead)
         if out.preempted_req_ids:
             return out  # no room to spare this step: admit nobody
         budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
@@ -192,15 +200,39 @@ class Scheduler:
         """Per running request, the blocks that preempting it returns to the pool once every later one is preempted.
 
         Victims go from the back, so those are its blocks that no earlier running request shares (with
-        prefix caching, the n completions of one prompt share its full blocks).
+        prefix caching, the n completions of one prompt share its full blocks). A request shares only blocks
+        it found in the cache at admission while an earlier one held them (a block it took fresh can only be
+        found later, by requests admitted after it), so that count is taken once, at admission, and the rest
+        of its table, however it grows, is its own.
         """
+        if self._shared_stale:
+            self._count_shared_blocks()
+        tables, shared = self.kv.req_to_blocks, self._shared_before
+        return [len(tables[r.request_id]) - shared[r.request_id] for r in self.running]
+
+    def _count_shared_blocks(self) -> None:
+        """Count afresh, per running request, its blocks that an earlier running request holds too."""
         held_before: set[int] = set()
-        freed = []
         for request in self.running:
-            own = set(self.kv.get_block_ids(request.request_id)) - held_before
-            freed.append(len(own))
+            table = self.kv.get_block_ids(request.request_id)
+            own = set(table) - held_before
+            self._shared_before[request.request_id] = len(table) - len(own)
             held_before |= own
-        return freed
+        self._shared_stale = False
+
+    def _admitted(self, request: Request, hits) -> None:
+        """Join the running list, counting the cache hits that an earlier running request holds as well."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._shared_before[request.request_id] = sum(1 for block in hits if block.ref_cnt > 1)
+
+    def _remove_running(self, request: Request) -> None:
+        """Leave the running list; from its middle, a later request may now be the first holder of a shared block."""
+        last = self.running[-1] is request
+        self.running.remove(request)
+        del self._shared_before[request.request_id]
+        if not last and any(self._shared_before.values()):
+            self._shared_stale = True
 
     def _lookahead(self, request: Request, n: int, start: int | None = None) -> int:
         """Slots held past a request's n new tokens from `start` (default: its computed tokens).
@@ -209,24 +241,31 @@ class Scheduler:
         or, for an Orca-style reservation (request.reserved_len), whatever of it is not yet allocated.
         """
         end = (request.num_computed_tokens if start is None else start) + n
-        reserve = max(0, request.reserved_len - end)
+        reserve = request.reserved_len - end
+        if reserve < 0:
+            reserve = 0
         if not self.num_lookahead_tokens or end < request.num_tokens:
             return reserve
         return max(reserve, min(self.num_lookahead_tokens, request.max_len - end))
 
-    def _allocate(self, request: Request, n: int, out: SchedulerOutput, computed_blocks=()) -> None:
-        """Give a request n new tokens' slots and put it in this step's output (with its drafts and new blocks)."""
+    def _allocate(self, request: Request, n: int, out: SchedulerOutput, computed_blocks=(),
+                  lookahead: int | None = None) -> None:
+        """Give a request n new tokens' slots and put it in this step's output (with its drafts and new blocks);
+        lookahead: _lookahead(request, n), when the caller has it already."""
         rid, start = request.request_id, request.num_computed_tokens
         # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
-        self.num_recomputed_tokens += max(0, min(start + n, request.recompute_until) - start)
+        if start < request.recompute_until:
+            self.num_recomputed_tokens += min(start + n, request.recompute_until) - start
         num_drafts = max(0, start + n - request.num_tokens)
-        del request.spec_token_ids[num_drafts:]  # drafts the budget did not reach are dropped, as in vLLM V1
-        lookahead = self._lookahead(request, n)
+        if request.spec_token_ids:
+            del request.spec_token_ids[num_drafts:]  # drafts the budget did not reach are dropped, as in vLLM V1
+        if lookahead is None:
+            lookahead = self._lookahead(request, n)
         tokens = request.token_ids_between(start, start + n - num_drafts)
         if num_drafts:
             tokens += request.spec_token_ids
-        self.kv.allocate_slots(rid, n, computed_blocks, new_token_ids=tokens, num_draft_tokens=num_drafts,
-                               num_lookahead_tokens=lookahead)
+        self.kv.allocate_blocks(rid, n, computed_blocks, new_token_ids=tokens, num_draft_tokens=num_drafts,
+                                num_lookahead_tokens=lookahead)
         out.num_scheduled_tokens[rid] = n
         if num_drafts:
             out.scheduled_spec_decode_tokens[rid] = list(request.spec_token_ids)
@@ -266,8 +305,7 @@ class Scheduler:
             return None
         request.num_computed_tokens = num_cached
         self._allocate(request, n, out, hits)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._admitted(request, hits)
         out.admitted.append(request.request_id)
         return n
 
@@ -283,15 +321,14 @@ class Scheduler:
             return None
         cpu_ids = self.cpu_blocks.pop(rid)
         # Hits stop one token short of what was computed, so at least one token's block is copied back.
-        self.kv.allocate_slots(rid, computed - num_cached, hits, new_token_ids=tokens[num_cached:computed])
+        self.kv.allocate_blocks(rid, computed - num_cached, hits, new_token_ids=tokens[num_cached:computed])
         first = num_cached // self.kv.block_size  # blocks still cached need no copy
         gpu_ids = self.kv.get_block_ids(rid, start=first)[:len(cpu_ids) - first]
         out.blocks_to_swap_in += zip(cpu_ids[first:], gpu_ids)
         # Free now: the runner copies them back before this step's forward pass, and a step that swaps in never
         # swaps out (it preempted nobody), so no swap-out of this step can be handed these CPU blocks.
         self._free_cpu_blocks(cpu_ids)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._admitted(request, hits)
         self._allocate(request, n, out)
         out.swapped_in.append(rid)
         out.admitted.append(rid)
@@ -330,14 +367,16 @@ class Scheduler:
         release the requests that finished. Returns one EngineCoreOutput per request that got tokens."""
         self.last_rollbacks = {}
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        requests, sampled = self.requests, runner_output.sampled_token_ids
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         outputs = []
         done = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests[rid]
+            request = requests[rid]
             if request.status.finished:  # aborted after it was scheduled
                 continue
             i = index.get(rid)
-            tokens = runner_output.sampled_token_ids[i] if i is not None else []
+            tokens = sampled[i] if i is not None else []
             if not tokens:  # a prefill chunk that does not finish its prompt
                 request.num_computed_tokens += n
                 continue
@@ -347,7 +386,7 @@ class Scheduler:
                 emitted.append(token)
                 if request.status.finished:
                     break
-            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+            num_drafts = len(spec_decode_tokens[rid]) if spec_decode_tokens and rid in spec_decode_tokens else 0
             accepted = len(tokens) - 1  # every token but the last was a draft the target agreed with
             request.num_computed_tokens += n - (num_drafts - accepted)
             if self.spec_stats is not None:
@@ -357,7 +396,8 @@ class Scheduler:
                     self._dropped_blocks[rid] = self._dropped_blocks.get(rid, 0) + len(freed)
                 if num_drafts > accepted:
                     self.last_rollbacks[rid] = (request.num_computed_tokens, num_drafts - accepted, freed)
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if request.status.finished:
                 done.append(request)
             elif runner_output.spec_token_ids is not None:
@@ -383,7 +423,7 @@ class Scheduler:
         rid = request.request_id
         request.spec_token_ids = []
         if request in self.running:
-            self.running.remove(request)
+            self._remove_running(request)
             self.kv.free(rid)
         elif request in self.swapped:
             self.swapped.remove(request)

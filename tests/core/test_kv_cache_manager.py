@@ -173,6 +173,49 @@ def test_extra_keys_separate_requests():
     assert manager.get_computed_blocks("b", [1, 2, 3], "lora-1")[1] == 2
 
 
+def _serve_shared_prefixes(manager: KVCacheManager) -> list[int]:
+    """Admit, grow and free requests that share two system prompts; the cached tokens of each admission."""
+    system = [list(range(100, 100 + 3 * BLOCK_SIZE)), list(range(200, 200 + 2 * BLOCK_SIZE))]
+    hits = []
+    for i in range(12):
+        tokens = system[i % 2] + [1000 + i] * (i % 5 + 1)
+        hits.append(_admit(manager, i, tokens))
+        manager.allocate_slots(i, 3, new_token_ids=[7, 8, 9])
+        if i % 3:
+            manager.free(i - 1)
+    return hits
+
+
+def test_builtin_hashing_finds_the_same_hits_as_sha256():
+    by_algo = {algo: KVCacheManager(64, BLOCK_SIZE, prefix_caching_hash_algo=algo) for algo in ("sha256", "builtin")}
+    hits = {algo: _serve_shared_prefixes(m) for algo, m in by_algo.items()}
+    assert hits["sha256"] == hits["builtin"] and sum(hits["sha256"]) > 0, (
+        f"a block's hash function decides only what equal prefixes are called, never which blocks match: "
+        f"cached tokens per admission, sha256 {hits['sha256']}, builtin {hits['builtin']}")
+    assert by_algo["sha256"].block_tables == by_algo["builtin"].block_tables
+    assert all(isinstance(h, int) for h in by_algo["builtin"].block_pool.cached_block_hash_to_block), (
+        "builtin hashes are Python's 64-bit hash() values")
+    with pytest.raises(ValueError, match="sha256, builtin"):
+        KVCacheManager(4, BLOCK_SIZE, prefix_caching_hash_algo="md5")
+
+
+def test_allocate_blocks_is_allocate_slots_without_the_slots():
+    with_slots, without = KVCacheManager(24, BLOCK_SIZE), KVCacheManager(24, BLOCK_SIZE)
+    tokens = list(range(1, 2 * BLOCK_SIZE + 3))
+    slots = with_slots.allocate_slots("a", len(tokens), new_token_ids=tokens)
+    assert without.allocate_blocks("a", len(tokens), new_token_ids=tokens) is None
+    def state(m):
+        pool = m.block_pool
+        return (m.block_tables, m.num_tokens, m._req_hashes, m._req_tail, m.queries, pool.free_block_queue.block_ids(),
+                [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+                {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()})
+    assert state(with_slots) == state(without), (
+        "the scheduler calls allocate_blocks: it must change the manager exactly as allocate_slots does")
+    table = without.block_tables["a"]
+    assert slots == [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(tokens))], (
+        "the slots allocate_slots returns are what the runner computes from the block table it is sent")
+
+
 def test_manager_errors_leave_it_unchanged():
     manager = KVCacheManager(num_blocks=3, block_size=2)
     _admit(manager, "a", [1, 2, 3, 4, 5])

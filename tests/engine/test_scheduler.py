@@ -9,6 +9,7 @@ every prompt has its own tokens, so no two requests share a block.
 """
 
 import itertools
+import random
 
 import kvlab.engine.scheduler as scheduler_module
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -297,6 +298,40 @@ def test_a_victim_sharing_a_block_frees_only_the_blocks_nobody_else_holds():
     assert out.preempted_req_ids == ["c", "b"] and ids(sched.running) == ["a"], (
         "a victim that shares a block with an earlier request returns only its own blocks to the pool, "
         "so the preemption goes on until the blocks really are there")
+
+
+def test_the_blocks_each_preemption_frees_stay_right_as_requests_share_grow_and_leave():
+    """choose_preemption_victims is told, per running request, the blocks its preemption returns once every later
+    one is gone: those no earlier running request holds. The scheduler keeps that count up to date rather than
+    rebuilding every table each step, so check it against the tables at every step of a busy run: requests
+    sharing cached prefixes, growing, finishing or aborted from the middle of the running list, and preempted."""
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=12, max_num_batched_tokens=12, max_num_seqs=6, enable_prefix_caching=True)
+    prefixes = [[next(_fresh_tokens) for _ in range(2 * BLOCK_SIZE)] for _ in range(2)]
+    seen = {"shared": 0, "aborted in the middle": 0}
+    for i in range(400):
+        if i < 60 and rng.random() < 0.6:
+            prompt = rng.choice(prefixes)[:rng.randrange(1, 2 * BLOCK_SIZE + 1)] + \
+                [next(_fresh_tokens) for _ in range(rng.randrange(1, 6))]
+            sched.add_request(Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20),
+                                                                       ignore_eos=True), arrival=i))
+        if len(sched.running) > 2 and rng.random() < 0.1:
+            finish(sched, sched.running[1])
+            seen["aborted in the middle"] += 1
+        held, expected = set(), []
+        for request in sched.running:
+            own = set(sched.kv.get_block_ids(request.request_id)) - held
+            expected.append(len(own))
+            held |= own
+        seen["shared"] += sum(len(sched.kv.get_block_ids(r.request_id)) - n for r, n in zip(sched.running, expected))
+        assert sched._blocks_freed_by_preemption() == expected, (
+            f"step {i}: the blocks each running request's preemption would free, {ids(sched.running)}: the "
+            f"scheduler says {sched._blocks_freed_by_preemption()}, the block tables {expected}")
+        step(sched)
+    assert sched.num_preemptions and all(seen.values()) and not sched.has_unfinished_requests(), (
+        f"set-up: the run must preempt ({sched.num_preemptions}), share blocks and abort from the middle ({seen}), "
+        f"and finish every request")
+
 
 
 # ----- behaviours a planted bug once slipped past: each at the layer that owns it -----
