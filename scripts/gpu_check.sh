@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the GPU tests (engine and compiled kernels), the kernel
-# tests on CUDA tensors (fp32/fp16/bf16 and int8/fp8 pools, the unified kernel, split-KV), and the kernel
-# benchmark (quick grid; CSV and plots in benchmarks/results/). The benchmark runs even when a test
-# fails, so one call on a GPU machine always brings back figures; the exit status is the tests'.
+# tests on CUDA tensors (fp32/fp16/bf16 and int8/fp8 pools, the unified kernel, split-KV), the kernel
+# benchmark (quick grid; CSV and plots in benchmarks/results/) and the step-time model's calibration
+# (benchmarks/step_time_gpu.py). The benchmarks run even when a test fails, so one call on a GPU machine
+# always brings back figures; the exit status is the tests'.
 # Usage on a GPU machine, from the repository root:  bash scripts/gpu_check.sh [benchmark flags]
 # It uses .venv if there is one, else a python3 that already has torch (CUDA), triton and transformers
 # (e.g. Colab); only when neither has them does it run scripts/setup.sh, which needs the package index.
@@ -30,4 +31,9 @@ GPU_TESTS=(tests/kernels/test_gpu.py tests/kernels/test_paged_attention_kernel.p
 tests_status=$?
 "$PY" benchmarks/paged_attention_gpu.py --quick "$@"
 bench_status=$?
+# The simulator's calibration: kvlab's own forward passes of Llama-3-8B (random weights, bf16) against the
+# step-time model's prediction for this GPU (benchmarks/results/step_time_gpu.json).
+"$PY" benchmarks/step_time_gpu.py
+calib_status=$?
+[ $bench_status -eq 0 ] && bench_status=$calib_status
 exit $(( tests_status != 0 ? tests_status : bench_status ))

@@ -104,8 +104,14 @@ class _PassRunner:
 
     def seconds(self, case: PassCase) -> float:
         chunks, keep = self.work[case]
+        # A GPU runs the pass after the call returns: wait for it, so the time is the step's, launches included.
+        cuda = self.cache.k_pools[0].is_cuda
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         forward_batch(self.model, self.cache, chunks, keep)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
 
