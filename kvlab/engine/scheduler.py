@@ -32,6 +32,7 @@ carries out what they decide.
 
 from collections import deque
 from collections.abc import Hashable, Iterable
+from itertools import islice
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -120,6 +121,7 @@ class Scheduler:
         # on blocks in use), which its preemption would not free; recounted only after a request leaves from the
         # middle of the running list (see _blocks_freed_by_preemption).
         self._shared_before: dict[str, int] = {}
+        self._num_hits: dict[str, int] = {}  # per running request, the cache hits it was admitted with
         self._shared_stale = False
 
     @property
@@ -211,13 +213,24 @@ class Scheduler:
         return [len(tables[r.request_id]) - shared[r.request_id] for r in self.running]
 
     def _count_shared_blocks(self) -> None:
-        """Count afresh, per running request, its blocks that an earlier running request holds too."""
-        held_before: set[int] = set()
+        """Count afresh, per running request, its blocks that an earlier running request holds too.
+
+        Only blocks held more than once can be, and each such block is a cache hit of all its holders but
+        perhaps one, at the same position of every table (its hash names its whole prefix): so only the first
+        blocks of each table, as many as the most hits any running request was admitted with, are looked at.
+        """
+        tables = self.kv.req_to_blocks
+        longest_hit = max(self._num_hits.values(), default=0)
+        seen: set[int] = set()  # blocks held more than once, by a request already counted
         for request in self.running:
-            table = self.kv.get_block_ids(request.request_id)
-            own = set(table) - held_before
-            self._shared_before[request.request_id] = len(table) - len(own)
-            held_before |= own
+            shared = 0
+            for block in islice(tables[request.request_id], longest_hit):
+                if block.ref_cnt > 1:
+                    if block.block_id in seen:
+                        shared += 1
+                    else:
+                        seen.add(block.block_id)
+            self._shared_before[request.request_id] = shared
         self._shared_stale = False
 
     def _admitted(self, request: Request, hits) -> None:
@@ -225,12 +238,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._shared_before[request.request_id] = sum(1 for block in hits if block.ref_cnt > 1)
+        self._num_hits[request.request_id] = len(hits)
 
     def _remove_running(self, request: Request) -> None:
         """Leave the running list; from its middle, a later request may now be the first holder of a shared block."""
         last = self.running[-1] is request
         self.running.remove(request)
-        del self._shared_before[request.request_id]
+        del self._shared_before[request.request_id], self._num_hits[request.request_id]
         if not last and any(self._shared_before.values()):
             self._shared_stale = True
 

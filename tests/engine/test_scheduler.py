@@ -307,11 +307,11 @@ def test_the_blocks_each_preemption_frees_stay_right_as_requests_share_grow_and_
     sharing cached prefixes, growing, finishing or aborted from the middle of the running list, and preempted."""
     rng = random.Random(0)
     sched = make_scheduler(num_blocks=12, max_num_batched_tokens=12, max_num_seqs=6, enable_prefix_caching=True)
-    prefixes = [[next(_fresh_tokens) for _ in range(2 * BLOCK_SIZE)] for _ in range(2)]
+    prefixes = [[next(_fresh_tokens) for _ in range(4 * BLOCK_SIZE)] for _ in range(2)]
     seen = {"shared": 0, "aborted in the middle": 0}
     for i in range(400):
         if i < 60 and rng.random() < 0.6:
-            prompt = rng.choice(prefixes)[:rng.randrange(1, 2 * BLOCK_SIZE + 1)] + \
+            prompt = rng.choice(prefixes)[:rng.randrange(1, 4 * BLOCK_SIZE + 1)] + \
                 [next(_fresh_tokens) for _ in range(rng.randrange(1, 6))]
             sched.add_request(Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20),
                                                                        ignore_eos=True), arrival=i))
