@@ -18,8 +18,8 @@ down by halves to --min-rate instead, static batching at Figure 12's scale), the
 bracket around the crossing. A run past a knee costs as much as one before it, so the search spends its runs
 where the curve crosses the bound rather than far beyond it. --grid runs every system at every coarse rate.
 Reported: the curves per seed, the rate each curve crosses the bound (interpolated between the two measured
-rates around it), on the median curves and seed by seed, and the paged / baseline ratios next to the paper's 1.7-2.7x (Oracle) and 2.7-8x (Max) on
-ShareGPT. --jobs runs that many simulations at once (one per core)::
+rates around it), on the median curves and seed by seed, and the paged / baseline ratios next to the paper's
+1.7-2.7x (Oracle) and 2.7-8x (Max) on ShareGPT. --jobs runs that many simulations at once (one per core)::
 
     OMP_NUM_THREADS=1 python benchmarks/figure12_gpu.py [--workload sharegpt] [--requests 1000]
         [--coarse 0.5 1 2 3 4] [--refine 3] [--seeds 0 1 2] [--bound 2] [--jobs 2]
