@@ -7,6 +7,8 @@ deployment by vLLM's start-up arithmetic.
     capacity    KV blocks and tokens of a deployment: GPU, tensor parallelism, gpu_memory_utilization, KV dtype
     engine      kvlab's own Scheduler and KVCacheManager over a runner that runs no model, on a virtual clock of
                 step times (simulate: a trace through paging, Orca's reservations or static batching)
+    planning    capacity planning on the simulated engine: a step's roofline, the highest rate under a TTFT/TPOT
+                SLO (bisection over simulations), the fewest GPUs (replicas x tensor-parallel degree) for a rate
 """
 
 from kvlab.simulation.capacity import activation_peak_bytes, kv_capacity
