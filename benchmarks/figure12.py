@@ -79,6 +79,20 @@ def sustained_rates(curves: dict, bound_factor: float, reference: str) -> tuple[
              for s, c in curves.items()}, bound)
 
 
+def ratios_to_paged(systems, seeds, crossing: dict, crossing_by_seed: dict) -> dict:
+    """Paging's crossing rate over each other system's: on the median curves (None if that system never crosses
+    above 0) and seed by seed (seeds where it never does are left out)."""
+    ratios = {}
+    for s in systems:
+        if s == "paged":
+            continue
+        per_seed = [crossing_by_seed[seed]["paged"] / crossing_by_seed[seed][s]
+                    for seed in seeds if crossing_by_seed[seed][s] > 0]
+        ratios[s] = {"crossing_median_curves": crossing["paged"] / crossing[s] if crossing[s] > 0 else None,
+                     "crossing_per_seed": per_seed}
+    return ratios
+
+
 def crossing_rate(curve: dict, bound: float) -> float:
     """The rate at which a curve first rises above `bound`, interpolated linearly between the last measured rate
     within it and the first above it: a finer answer than the grid's own rates. 0 if even the lowest rate is above
@@ -126,18 +140,11 @@ def summarise(by_seed: dict, bound_factor: float, requests: int, num_blocks: int
     for s in systems:
         print(f"{s:<12} {sustained[s]:>14g} req/s {str([sustained_by_seed[seed][s] for seed in seeds]):>18} "
               f"{crossing[s]:>13.1f} req/s {str([round(crossing_by_seed[seed][s], 1) for seed in seeds]):>20}")
-    ratios = {}
-    if reference == "paged":
-        for s in systems:
-            if s == "paged":
-                continue
-            per_seed = [crossing_by_seed[seed]["paged"] / crossing_by_seed[seed][s]
-                        for seed in seeds if crossing_by_seed[seed][s] > 0]
-            ratios[s] = {"crossing_median_curves": crossing["paged"] / crossing[s] if crossing[s] > 0 else None,
-                         "crossing_per_seed": per_seed}
-            if crossing[s] > 0:
-                print(f"  paged / {s}: {crossing['paged'] / crossing[s]:.2f}x at the crossing of the median curves, "
-                      f"per seed {', '.join(f'{r:.2f}x' for r in per_seed)}")
+    ratios = ratios_to_paged(systems, seeds, crossing, crossing_by_seed) if reference == "paged" else {}
+    for s, ratio in ratios.items():
+        if ratio["crossing_median_curves"] is not None:
+            print(f"  paged / {s}: {ratio['crossing_median_curves']:.2f}x at the crossing of the median curves, "
+                  f"per seed {', '.join(f'{r:.2f}x' for r in ratio['crossing_per_seed'])}")
     return {"curves_s_per_token": {s: {str(r): v for r, v in c.items()} for s, c in curves.items()},
             "curves_by_seed": {str(seed): {s: {str(r): v for r, v in c.items()} for s, c in by_seed[seed].items()}
                                for seed in seeds},

@@ -136,7 +136,7 @@ def summarise(by_seed: dict, bound_factor: float, low: float, requests: int, sec
               workload: str) -> dict:
     """The report of a sweep whose systems ran at rates of their own (the same for every seed): median curves,
     crossing rates of the median curves and per seed, paged / baseline ratios; printed side by side."""
-    from figure12 import crossing_rate
+    from figure12 import crossing_rate, ratios_to_paged
 
     seeds = sorted(by_seed)
     systems = list(by_seed[seeds[0]])
@@ -172,19 +172,13 @@ def summarise(by_seed: dict, bound_factor: float, low: float, requests: int, sec
         at_least = ">=" if max(curves[s].values()) <= bound else "  "
         print(f"{s:<12} {at_least}{crossing[s]:>11.2f} req/s "
               f"{str([round(crossing_by_seed[seed][s], 2) for seed in seeds]):>24}")
-    ratios = {}
-    for s in systems:
-        if s == "paged":
-            continue
-        per_seed = [crossing_by_seed[seed]["paged"] / crossing_by_seed[seed][s]
-                    for seed in seeds if crossing_by_seed[seed][s] > 0]
-        ratios[s] = {"crossing_median_curves": crossing["paged"] / crossing[s] if crossing[s] > 0 else None,
-                     "crossing_per_seed": per_seed}
-        if crossing[s] > 0:
+    ratios = ratios_to_paged(systems, seeds, crossing, crossing_by_seed)
+    for s, ratio in ratios.items():
+        if ratio["crossing_median_curves"] is not None:
             paper = f" (the paper: {PAPER_RATIOS[s][0]}-{PAPER_RATIOS[s][1]}x)" \
                 if s in PAPER_RATIOS and workload == "sharegpt" else ""
-            print(f"  paged / {s}: {crossing['paged'] / crossing[s]:.2f}x at the crossing of the median curves, "
-                  f"per seed {', '.join(f'{r:.2f}x' for r in per_seed)}{paper}")
+            print(f"  paged / {s}: {ratio['crossing_median_curves']:.2f}x at the crossing of the median curves, "
+                  f"per seed {', '.join(f'{r:.2f}x' for r in ratio['crossing_per_seed'])}{paper}")
         else:
             print(f"  paged / {s}: {s} is above the bound at every rate run")
     return {"curves_s_per_token": {s: {str(r): v for r, v in c.items()} for s, c in curves.items()},
