@@ -55,16 +55,12 @@ def workload_requests(workload: str, count: int, rate: float, seed: int):
     import random
 
     from kvlab.analysis.traces import instruct_trace
-    from kvlab.benchmarks.datasets import poisson_arrivals
-    from kvlab.simulation.engine import SimRequest
+    from kvlab.simulation.planning import chat_requests, requests_with_fresh_prompts
 
     if workload == "sharegpt":
-        from sim_engine import figure12_requests
-        return figure12_requests(count, rate, seed)
+        return chat_requests(count, rate, seed)
     rng = random.Random(seed)
-    lengths = instruct_trace(count, max_model_len=MAX_MODEL_LEN, seed=seed)
-    return [SimRequest(a, [rng.randrange(50000) for _ in range(r.prompt_len)], r.output_len)
-            for a, r in zip(poisson_arrivals(count, rate, seed), lengths)]
+    return requests_with_fresh_prompts(instruct_trace(count, max_model_len=MAX_MODEL_LEN, seed=seed), rate, seed, rng)
 
 
 def run_point(workload: str, system: str, rate: float, seed: int, count: int) -> float:

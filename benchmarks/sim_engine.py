@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -41,20 +40,6 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
 SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 MOONCAKE_MAX_MODEL_LEN = 131072  # the trace's longest request is 121,912 tokens (Llama-3.1's context)
-
-
-def figure12_requests(count: int, rate: float, seed: int):
-    """count requests with lengths drawn from the chat trace (seeded), prompts of fresh token ids, Poisson arrivals."""
-    from kvlab.analysis.traces import load_trace
-    from kvlab.benchmarks.datasets import poisson_arrivals
-    from kvlab.paths import ASSETS_DIR
-    from kvlab.simulation.engine import SimRequest
-
-    trace = load_trace(ASSETS_DIR / "traces" / "chat.csv")
-    rng = random.Random(seed)
-    picked = [rng.choice(trace) for _ in range(count)]
-    return [SimRequest(a, [rng.randrange(50000) for _ in range(r.prompt_len)], r.output_len)
-            for a, r in zip(poisson_arrivals(count, rate, seed), picked)]
 
 
 def mooncake_requests(count: int, vocab_size: int = 128256):
@@ -110,13 +95,14 @@ def timed(run, repeats: int):
 
 def bench_figure12(args) -> dict:
     from kvlab.simulation.engine import simulate
+    from kvlab.simulation.planning import chat_requests
 
     print(f"\nfigure12: OPT-13B on one A100-40GB, {args.requests} ShareGPT-like requests per run, median of "
           f"{args.repeats} runs")
     print(f"{'rate':>6} {'system':<12} {'steps':>7} {'preempt':>8} {'wall s':>7} {'steps/s':>8} {'req/s':>7}")
     per_run: dict[str, dict[float, float]] = {s: {} for s in args.systems}
     for rate in args.rates:
-        requests = figure12_requests(args.requests, rate, seed=0)
+        requests = chat_requests(args.requests, rate, seed=0)
         for system in args.systems:
             wall, r = timed(lambda requests=requests, system=system: simulate(
                 requests, "opt-13b", "A100-40GB", system=system, max_model_len=2048), args.repeats)
@@ -132,7 +118,7 @@ def bench_figure12(args) -> dict:
           f"about {sweep:.0f} s on one core")
     if args.profile:
         rate = max(args.rates)
-        requests = figure12_requests(args.requests, rate, seed=0)
+        requests = chat_requests(args.requests, rate, seed=0)
         print(f"profile: paged at {rate:g} req/s")
         profile(lambda: simulate(requests, "opt-13b", "A100-40GB", max_model_len=2048))
     return per_run

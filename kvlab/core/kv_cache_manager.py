@@ -168,11 +168,7 @@ class KVCacheManager(PooledBlockManager):
             if block.block_hash is None or self.block_pool.get_cached_block(block.block_hash) is not block:
                 raise ValueError(f"computed block {block.block_id} of request {request_id!r} is no longer cached "
                                  f"(evicted since get_computed_blocks?)")
-        if blocks is None:
-            needed = self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks, num_lookahead_tokens)
-        else:  # num_blocks_to_allocate of a running request, without the call (this runs for every request each step)
-            needed = num_blocks_needed(self.num_tokens[request_id] + num_new_tokens + num_lookahead_tokens,
-                                       self.block_size) - len(blocks)
+        needed = self.num_blocks_to_allocate(request_id, num_new_tokens, computed_blocks, num_lookahead_tokens)
         if needed > self.block_pool.free_block_queue.num_free_blocks:
             self._check_free_blocks(request_id, needed)
 

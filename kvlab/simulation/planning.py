@@ -8,6 +8,7 @@
                         highest rate known to meet a TTFT and a TPOT objective, to a tolerance.
     gpus_needed         replicas x tensor-parallel degree for a target rate, from each degree's rate per replica.
     chat_requests       a workload for these: lengths drawn from the shipped ShareGPT-like chat trace, Poisson arrivals
+                        (requests_with_fresh_prompts: the same for any list of lengths)
     slo_figures         a run's TTFT and TPOT at one percentile, the figures an SLO judges
 
 The KV capacity of a deployment is kvlab.simulation.capacity.kv_capacity.
@@ -151,9 +152,14 @@ def chat_requests(count: int, rate: float, seed: int) -> list[SimRequest]:
     check_positive_int("count", count)
     trace = load_trace(ASSETS_DIR / "traces" / "chat.csv")
     rng = random.Random(seed)
-    picked = [rng.choice(trace) for _ in range(count)]
+    return requests_with_fresh_prompts([rng.choice(trace) for _ in range(count)], rate, seed, rng)
+
+
+def requests_with_fresh_prompts(lengths, rate: float, seed: int, rng: random.Random) -> list[SimRequest]:
+    """One request per entry of lengths (each with prompt_len and output_len), prompts of fresh token ids drawn from
+    rng (no shared prefixes), arriving as a Poisson process at rate (seeded)."""
     return [SimRequest(a, [rng.randrange(50000) for _ in range(r.prompt_len)], r.output_len)
-            for a, r in zip(poisson_arrivals(count, rate, seed), picked)]
+            for a, r in zip(poisson_arrivals(len(lengths), rate, seed), lengths)]
 
 
 def slo_figures(timings, q: float = 0.9) -> tuple[float, float]:
