@@ -19,10 +19,17 @@ bracket around the crossing. A run past a knee costs as much as one before it, s
 where the curve crosses the bound rather than far beyond it. --grid runs every system at every coarse rate.
 Reported: the curves per seed, the rate each curve crosses the bound (interpolated between the two measured
 rates around it), on the median curves and seed by seed, and the paged / baseline ratios next to the paper's
-1.7-2.7x (Oracle) and 2.7-8x (Max) on ShareGPT. --jobs runs that many simulations at once (one per core)::
+1.7-2.7x (Oracle) and 2.7-8x (Max) on ShareGPT. --jobs runs that many simulations at once (one per core).
+
+--arena says where an Orca reservation lives. "pool" (the default): blocks of the paged pool, anywhere, so Orca
+loses memory only to what it reserves and never to external fragmentation. "buddy": one contiguous range placed
+by the binary buddy allocator that the paper's Orca baselines assume (§6.1), which rounds each range up to a power
+of two and merges a freed range only with its buddy; "first-fit": one range placed first-fit (Chapter 2's arena).
+Under a buddy allocator kvlab's Pow2 (the power of two at or above the final length) occupies exactly Oracle's
+range, so its runs would repeat Oracle's: the default systems for an arena leave it out::
 
     OMP_NUM_THREADS=1 python benchmarks/figure12_gpu.py [--workload sharegpt] [--requests 1000]
-        [--coarse 0.5 1 2 3 4] [--refine 3] [--seeds 0 1 2] [--bound 2] [--jobs 2]
+        [--coarse 0.5 1 2 3 4] [--refine 3] [--seeds 0 1 2] [--bound 2] [--jobs 2] [--arena pool]
         [--json benchmarks/saved/figure12_gpu.json]
     python benchmarks/figure12_gpu.py --from-json a.json   (summarise a saved sweep again, simulating nothing)
 """
@@ -47,6 +54,7 @@ WORKLOADS = {  # the coarse rates that bracket every knee of the workload, and t
     "sharegpt": {"coarse": [0.5, 1, 2, 3, 4], "paper_means": [161, 338], "json": "figure12_gpu.json"},
     "alpaca": {"coarse": [4, 8, 16, 32, 64, 128], "paper_means": [19, 58], "json": "figure12_gpu_alpaca.json"},
 }
+ARENAS = ("pool", "first-fit", "buddy")
 PAPER_RATIOS = {"orca-oracle": [1.7, 2.7], "orca-max": [2.7, 8.0]}  # ShareGPT, OPT-13B (§6.2)
 
 
@@ -63,27 +71,29 @@ def workload_requests(workload: str, count: int, rate: float, seed: int):
     return requests_with_fresh_prompts(instruct_trace(count, max_model_len=MAX_MODEL_LEN, seed=seed), rate, seed, rng)
 
 
-def run_point(workload: str, system: str, rate: float, seed: int, count: int) -> float:
-    """One simulated run: the normalized latency (s/token) of system at rate with seed's requests."""
+def run_point(workload: str, system: str, rate: float, seed: int, count: int, arena: str = "pool") -> float:
+    """One simulated run: the normalized latency (s/token) of system at rate with seed's requests; arena places
+    an Orca system's reservations (pool: the paged pool's blocks)."""
     from kvlab.benchmarks.latency import normalized_latency
     from kvlab.simulation.engine import simulate
 
+    knobs = {"reservation_arena": arena} if arena != "pool" and system.startswith("orca-") else {}
     result = simulate(workload_requests(workload, count, rate, seed), MODEL, GPU, system=system,
-                      max_model_len=MAX_MODEL_LEN)
+                      max_model_len=MAX_MODEL_LEN, **knobs)
     return normalized_latency(result.timings)
 
 
 class Sweep:
     """Runs of (system, rate) for every seed, each simulated once, on this process or a pool of --jobs processes."""
 
-    def __init__(self, workload: str, seeds: list[int], count: int, jobs: int, progress):
-        self.workload, self.seeds, self.count, self.progress = workload, seeds, count, progress
+    def __init__(self, workload: str, seeds: list[int], count: int, jobs: int, progress, arena: str = "pool"):
+        self.workload, self.seeds, self.count, self.progress, self.arena = workload, seeds, count, progress, arena
         self.pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
         self.by_seed: dict[int, dict[str, dict[float, float]]] = {seed: {} for seed in seeds}
 
     def run(self, system: str, rate: float) -> float:
         """The median over the seeds of system's normalized latency at rate (simulating the seeds not yet run)."""
-        args = [(self.workload, system, rate, seed, self.count) for seed in self.seeds]
+        args = [(self.workload, system, rate, seed, self.count, self.arena) for seed in self.seeds]
         if self.pool is None:
             values = [run_point(*a) for a in args]
         else:
@@ -129,7 +139,7 @@ def search_knee(sweep: Sweep, system: str, coarse: list[float], bound: float, re
 
 
 def summarise(by_seed: dict, bound_factor: float, low: float, requests: int, seconds: float | None,
-              workload: str) -> dict:
+              workload: str, arena: str = "pool") -> dict:
     """The report of a sweep whose systems ran at rates of their own (the same for every seed): median curves,
     crossing rates of the median curves and per seed, paged / baseline ratios; printed side by side."""
     from figure12 import crossing_rate, ratios_to_paged
@@ -147,7 +157,9 @@ def summarise(by_seed: dict, bound_factor: float, low: float, requests: int, sec
                                 for s, c in by_seed[seed].items()} for seed in seeds}
 
     took = f" ({seconds:.0f} s)" if seconds else ""
-    print(f"\n{workload}: {requests} requests per run, {NUM_BLOCKS} blocks of {BLOCK_SIZE}, seeds {seeds}; normalized "
+    where = "the pool's blocks" if arena == "pool" else f"one range placed by a {arena} allocator"
+    print(f"\n{workload}: {requests} requests per run, {NUM_BLOCKS} blocks of {BLOCK_SIZE}, Orca's reservations in "
+          f"{where}, seeds {seeds}; normalized "
           f"latency in ms per output token, median over the seeds [lowest-highest]{took}")
     rates = sorted({r for c in curves.values() for r in c})
     print(f"{'rate (req/s)':>12} " + " ".join(f"{s:>23}" for s in systems))
@@ -199,17 +211,25 @@ def main(argv=None) -> dict:
     parser.add_argument("--min-rate", type=float, default=None, help="lowest rate a system above the bound at the "
                         "first coarse rate is tried at (default: the first coarse rate / 32)")
     parser.add_argument("--grid", action="store_true", help="every system at every coarse rate, no search")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+                        help="default: all five; with an --arena, paged, orca-oracle and orca-max")
+    parser.add_argument("--arena", choices=ARENAS, default="pool",
+                        help="where an Orca reservation lives: the pool's blocks, or one range placed first-fit or "
+                             "by a buddy allocator (the paper's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--bound", type=float, default=2.0)
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")
     parser.add_argument("--json", type=Path, default=None,
-                        help="where to save (default: benchmarks/saved/figure12_gpu.json, _alpaca for alpaca)")
+                        help="where to save (default: benchmarks/saved/figure12_gpu.json, _alpaca for alpaca, "
+                             "_buddy or _first-fit for an arena)")
     parser.add_argument("--from-json", type=Path, default=None, help="simulate nothing: summarise a saved sweep")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
     coarse = args.coarse or spec["coarse"]
-    path = args.json or ROOT / "benchmarks" / "saved" / spec["json"]
+    if args.systems is None:
+        args.systems = list(SYSTEMS) if args.arena == "pool" else ["paged", "orca-oracle", "orca-max"]
+    default_name = spec["json"] if args.arena == "pool" else spec["json"].replace(".json", f"_{args.arena}.json")
+    path = args.json or ROOT / "benchmarks" / "saved" / default_name
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be distinct, got {args.seeds}")
     if coarse != sorted(coarse) or len(set(coarse)) != len(coarse) or coarse[0] <= 0:
@@ -222,11 +242,12 @@ def main(argv=None) -> dict:
                    for seed, curves in saved["curves_by_seed"].items()}
         low = saved.get("bound_rate") or min(float(r) for r in saved["curves_s_per_token"]["paged"])
         return _save(summarise(by_seed, args.bound, low, saved["requests"], saved.get("seconds"),
-                               saved.get("workload", "sharegpt")), path, saved.get("workload", "sharegpt"))
+                               saved.get("workload", "sharegpt"), saved.get("arena", "pool")), path,
+                     saved.get("workload", "sharegpt"), arena=saved.get("arena", "pool"))
 
     bar = tqdm(desc=f"{args.workload} runs", unit="run", file=sys.stdout, mininterval=1.0)
     started = time.perf_counter()
-    sweep = Sweep(args.workload, args.seeds, args.requests, args.jobs, bar.update)
+    sweep = Sweep(args.workload, args.seeds, args.requests, args.jobs, bar.update, args.arena)
     try:
         if args.grid:
             for system in args.systems:
@@ -246,12 +267,13 @@ def main(argv=None) -> dict:
         sweep.close()
         bar.close()
     by_seed = {seed: {s: sweep.by_seed[seed][s] for s in args.systems} for seed in args.seeds}
-    report = summarise(by_seed, args.bound, coarse[0], args.requests, time.perf_counter() - started, args.workload)
-    return _save(report, path, args.workload, jobs=args.jobs)
+    report = summarise(by_seed, args.bound, coarse[0], args.requests, time.perf_counter() - started, args.workload,
+                       args.arena)
+    return _save(report, path, args.workload, jobs=args.jobs, arena=args.arena)
 
 
-def _save(report: dict, path: Path, workload: str, jobs: int | None = None) -> dict:
-    report.update(workload=workload, model=MODEL, gpu=GPU, max_model_len=MAX_MODEL_LEN,
+def _save(report: dict, path: Path, workload: str, jobs: int | None = None, arena: str = "pool") -> dict:
+    report.update(workload=workload, arena=arena, model=MODEL, gpu=GPU, max_model_len=MAX_MODEL_LEN,
                   paper_means=WORKLOADS[workload]["paper_means"])
     if jobs is not None:
         report["jobs"] = jobs

@@ -2,7 +2,9 @@
 
 The KV arena has `num_slots` token slots. `simulate` runs a first-come-first-served server
 over it with one of four allocators: the contiguous reservation policies `"max"`, `"pow2"`
-and `"oracle"` of `kvlab.analysis.contiguous` (a first-fit arena), or `"paged"` (a pool of
+and `"oracle"` of `kvlab.analysis.contiguous` (placed first-fit, or with `arena="buddy"` by the
+binary buddy allocator the paper's Orca baselines assume, which rounds each reservation up to a
+power of two: that rounding counts as internal fragmentation), or `"paged"` (a pool of
 `num_slots // block_size` blocks of `block_size` slots, as in vLLM).
 
 One scheduler step:
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlab.analysis.contiguous import POLICIES, ContiguousArena, reservation_slots
+from kvlab.analysis.contiguous import ARENAS, POLICIES, make_arena, reservation_slots
 from kvlab.analysis.traces import TraceRequest
 from kvlab.core.paging import num_blocks_needed
 from kvlab.validation import check_block_size, check_positive_int
@@ -83,15 +85,15 @@ class _Sequence:
 class _ContiguousAllocator:
     """Each request reserves one contiguous range chosen by a reservation policy."""
 
-    def __init__(self, policy: str, num_slots: int, max_model_len: int) -> None:
+    def __init__(self, policy: str, num_slots: int, max_model_len: int, arena: str = "first-fit") -> None:
         self.policy = policy
         self.max_model_len = max_model_len
-        self.arena = ContiguousArena(num_slots)
+        self.arena = make_arena(arena, num_slots)
 
     @property
     def usable_slots(self) -> int:
         """Slots a single request could ever hold."""
-        return self.arena.num_slots
+        return self.arena.largest_range
 
     def peak_slots(self, request: TraceRequest) -> int:
         """Slots the request holds at its largest: its reservation."""
@@ -103,12 +105,12 @@ class _ContiguousAllocator:
         return self.peak_slots(seq.request)
 
     def try_admit(self, seq: _Sequence) -> bool:
-        """Reserve the sequence's range first-fit, or return False if no hole fits."""
+        """Reserve the sequence's range in the arena, or return False if no hole fits."""
         size = self.peak_slots(seq.request)
         start = self.arena.allocate(size)
         if start is None:
             return False
-        seq.start, seq.capacity = start, size
+        seq.start, seq.capacity = start, self.arena.block_size(size)
         return True
 
     def try_grow(self, seq: _Sequence) -> bool:
@@ -205,11 +207,14 @@ class SimResult:
     mean_wait_steps: float  # over completed requests: steps spent in the waiting queue
     num_preemptions: int
     wait_steps: dict[int, int] = field(default_factory=dict)  # request_id -> steps waited
+    arena: str | None = None  # what placed a contiguous policy's ranges ("first-fit" or "buddy"); None when paged
 
     @property
     def label(self) -> str:
         """A short name for tables and plot legends."""
-        return f"paged(bs={self.block_size})" if self.allocator == "paged" else self.allocator
+        if self.allocator == "paged":
+            return f"paged(bs={self.block_size})"
+        return f"{self.allocator}(buddy)" if self.arena == "buddy" else self.allocator
 
     @property
     def num_steps(self) -> int:
@@ -248,10 +253,13 @@ class SimResult:
 _Allocator = _ContiguousAllocator | _PagedAllocator
 
 
-def _make_allocator(allocator: str, num_slots: int, max_model_len: int, block_size: int) -> _Allocator:
+def _make_allocator(allocator: str, num_slots: int, max_model_len: int, block_size: int,
+                    arena: str = "first-fit") -> _Allocator:
     """Build the allocator named `allocator`, validating its arguments."""
+    if arena not in ARENAS:
+        raise ValueError(f"unknown arena {arena!r}; expected one of {ARENAS} (it places the contiguous policies)")
     if allocator in POLICIES:
-        return _ContiguousAllocator(allocator, num_slots, max_model_len)
+        return _ContiguousAllocator(allocator, num_slots, max_model_len, arena)
     if allocator == "paged":
         check_block_size(block_size)
         if block_size > num_slots:
@@ -323,13 +331,14 @@ def _account(running: list[_Sequence], waiting: deque[_Sequence], alloc: _Alloca
 
 
 def simulate(requests: Sequence[TraceRequest], allocator: str, *, num_slots: int, max_model_len: int = 2048,
-             block_size: int = 16, max_steps: int | None = None) -> SimResult:
-    """Replay `requests` FCFS against `allocator` ("max", "pow2", "oracle" or "paged")."""
+             block_size: int = 16, max_steps: int | None = None, arena: str = "first-fit") -> SimResult:
+    """Replay `requests` FCFS against `allocator` ("max", "pow2", "oracle" or "paged"); `arena` places the
+    contiguous policies' ranges ("first-fit" or "buddy")."""
     check_positive_int("num_slots", num_slots)
     check_positive_int("max_model_len", max_model_len)
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"max_steps must be >= 0, got {max_steps}")
-    alloc = _make_allocator(allocator, num_slots, max_model_len, block_size)
+    alloc = _make_allocator(allocator, num_slots, max_model_len, block_size, arena)
     _check_requests(requests, alloc, max_model_len)
 
     pending = deque(sorted(requests, key=lambda r: (r.arrival_step, r.request_id)))
@@ -362,6 +371,7 @@ def simulate(requests: Sequence[TraceRequest], allocator: str, *, num_slots: int
     table = np.array(rows, dtype=np.int64).reshape(-1, 9)
     return SimResult(
         allocator=allocator,
+        arena=None if allocator == "paged" else arena,
         block_size=block_size if allocator == "paged" else None,
         num_slots=num_slots,
         max_model_len=max_model_len,

@@ -28,6 +28,13 @@ new_token_ids, never hashed) and keeps L more slots free for a draft model's own
 rollback_draft_tokens(request_id, num_accepted) then drops the rejected drafts, caches the blocks the
 accepted ones filled, and returns the blocks that ended up wholly past the sequence (plus lookahead).
 
+reservation_arena is for the paper's Orca baselines, which keep each request's whole reservation in one
+contiguous range of memory: an arena of kvlab.analysis.contiguous (ContiguousArena, first fit, or BuddyArena, the
+buddy allocator the paper assumes: Kwon et al., SOSP 2023, §6.1) with one slot per block of the pool, built by
+the engine. reserve_range(request_id, n) places n tokens' blocks in it, and admission fails when no range fits
+even though enough blocks are free (external fragmentation). The blocks themselves still come from the pool;
+free() releases the range too.
+
 These are the calls of every chapter's block manager (kvlab.core.paging.BaseBlockManager); Chapter 3's
 BlockManager answers get_computed_blocks with no hits.
 """
@@ -49,7 +56,13 @@ class KVCacheManager(PooledBlockManager):
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False,
-                 prefix_caching_hash_algo: str = "sha256"):
+                 prefix_caching_hash_algo: str = "sha256", reservation_arena=None):
+        if reservation_arena is not None and (
+                not all(hasattr(reservation_arena, a) for a in ("allocate", "free", "largest_range", "num_slots"))
+                or reservation_arena.num_slots != num_blocks):
+            raise ValueError(f"reservation_arena must be None (no contiguous placement) or an arena of "
+                             f"kvlab.analysis.contiguous with one slot per block ({num_blocks}), "
+                             f"got {reservation_arena!r}")
         if not isinstance(use_eagle, bool):
             raise ValueError(f"use_eagle is True (a proposer that drafts from the target's hidden states) or False, "
                              f"got {use_eagle!r}")
@@ -68,6 +81,26 @@ class KVCacheManager(PooledBlockManager):
         self._req_drafts: dict[object, list[int]] = {}  # each request's unverified draft tokens, not hashed yet
         self.queries = 0  # prompt tokens of admitted requests
         self.hits = 0     # of which were served from the cache
+        # In blocks: a range of k blocks stands for k * block_size contiguous token slots.
+        self.arena = reservation_arena
+        self._ranges: dict[object, int] = {}  # request id -> the start of its range in the arena
+
+    def reserve_range(self, request_id, num_tokens: int) -> bool:
+        """Place a reservation of num_tokens tokens in one contiguous range of the arena; False if no range fits
+        (nothing changes then). True without an arena, or when the request holds its range already."""
+        if self.arena is None or request_id in self._ranges:
+            return True
+        check_int("num_tokens", num_tokens, 1)
+        size = num_blocks_needed(num_tokens, self.block_size)
+        if size > self.arena.largest_range:
+            raise ValueError(f"request {request_id!r}: a reservation of {num_tokens} tokens = {size} blocks can never "
+                             f"fit the {type(self.arena).__name__}, whose largest range is "
+                             f"{self.arena.largest_range} blocks")
+        start = self.arena.allocate(size)
+        if start is None:
+            return False
+        self._ranges[request_id] = start
+        return True
 
     @property
     def hit_rate(self) -> float:
@@ -264,5 +297,7 @@ class KVCacheManager(PooledBlockManager):
         return blocks
 
     def _forget(self, request_id) -> None:
+        if request_id in self._ranges:
+            self.arena.free(self._ranges.pop(request_id))
         for table in (self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys, self._req_drafts):
             del table[request_id]

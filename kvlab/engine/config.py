@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from kvlab.analysis.contiguous import ARENAS as RESERVATION_ARENAS
 from kvlab.analysis.contiguous import POLICIES as RESERVATION_POLICIES
 from kvlab.cache.attention_backends import ATTENTION_BACKENDS
 from kvlab.cache.kv_storage import resolve_kv_cache_dtype
@@ -187,6 +188,16 @@ class SchedulerConfig(_Checked):
                                                 "admission for its max length (max), the next power of two of its "
                                                 "real length (pow2) or its real length (oracle); default: paging",
                                           _optional(_one_of(RESERVATION_POLICIES)), choices=RESERVATION_POLICIES)
+    reservation_arena: str | None = knob(None, "where an Orca baseline's reservation lives: one contiguous range "
+                                               "placed first-fit or by the buddy allocator the paper assumes "
+                                               "(admission then also needs a range that fits); default: the pool's "
+                                               "blocks, anywhere", _optional(_one_of(RESERVATION_ARENAS)),
+                                         choices=RESERVATION_ARENAS)
+
+    def _check_together(self) -> None:
+        if self.reservation_arena is not None and self.reservation_policy is None:
+            raise ValueError(f"reservation_arena={self.reservation_arena!r} places an Orca baseline's reservations: "
+                             f"give reservation_policy too (paging reserves nothing)")
 
 
 PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}

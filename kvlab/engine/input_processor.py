@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlab.analysis.contiguous import reservation_slots
+from kvlab.analysis.contiguous import make_arena, reservation_slots
 from kvlab.core.paging import num_blocks_needed
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.validation import is_integer
@@ -35,11 +35,15 @@ class InputProcessor:
     """Tokenises prompts and checks requests against the engine's fixed limits (safe to call from any thread)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 reservation_policy: str | None = None):
+                 reservation_policy: str | None = None, reservation_arena: str | None = None):
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.block_size, self.num_blocks = block_size, num_blocks
         self.reservation_policy = reservation_policy
+        # A reservation placed in one range must fit the arena's largest range, not only the pool.
+        self.reservation_arena = reservation_arena
+        self.max_blocks = num_blocks if reservation_arena is None else make_arena(reservation_arena,
+                                                                                 num_blocks).largest_range
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids) for a string, a list of token ids or a 1-D tensor."""
@@ -85,11 +89,13 @@ class InputProcessor:
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.reservation_policy is not None:  # the reservation must fit, not only the tokens
             longest = reservation_slots(self.reservation_policy, len(ids), longest - len(ids), self.max_model_len)
-        if num_blocks_needed(longest, self.block_size) > self.num_blocks:
+        if num_blocks_needed(longest, self.block_size) > self.max_blocks:
+            where = f"the pool has {self.num_blocks} blocks in all" if self.reservation_arena is None else \
+                f"the {self.reservation_arena} arena's largest range is {self.max_blocks} blocks"
             raise RequestRejected(
                 f"{who} can never fit: prompt and max_tokens need up to {longest} tokens = "
-                f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but the pool has "
-                f"{self.num_blocks} blocks in all", "max_tokens")
+                f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but {where}",
+                "max_tokens")
         return text, ids, params
 
     def reserved_len(self, prompt_len: int, max_tokens: int) -> int:

@@ -31,6 +31,7 @@ they share the prompt's full blocks.
 
 import dataclasses
 
+from kvlab.analysis.contiguous import make_arena
 from kvlab.core.block_views import counters_for
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.config import EngineConfig
@@ -66,10 +67,13 @@ class LLMEngine:
                                                self.block_bytes)
         self.input_processor = InputProcessor(tokenizer, model.config.vocab_size, self.max_model_len,
                                               cache_config.block_size, self.num_blocks,
-                                              scheduler_config.reservation_policy)
+                                              scheduler_config.reservation_policy, scheduler_config.reservation_arena)
         self.output_processor = OutputProcessor(tokenizer)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               reservation_arena=make_arena(scheduler_config.reservation_arena,
+                                                                            self.num_blocks)
+                                               if scheduler_config.reservation_arena else None)
         self.scheduler = Scheduler(self.kv_cache_manager, scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, scheduler_config.preemption_mode,
                                    cache_config.cpu_blocks_for(self.num_blocks) if

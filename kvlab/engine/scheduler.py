@@ -317,6 +317,9 @@ class Scheduler:
         lookahead = self._lookahead(request, n, start=num_cached)
         if self.kv.num_blocks_to_allocate(request.request_id, n, hits, lookahead) > self.kv.num_free_blocks:
             return None
+        # An Orca-style reservation must also find one contiguous range, where the manager places them.
+        if request.reserved_len and not self.kv.reserve_range(request.request_id, num_cached + n + lookahead):
+            return None
         request.num_computed_tokens = num_cached
         self._allocate(request, n, out, hits)
         self._admitted(request, hits)
@@ -332,6 +335,8 @@ class Scheduler:
         # Room for the swapped-in blocks and this step's tokens, checked before anything changes.
         needed = self.kv.num_blocks_to_allocate(rid, computed + n - num_cached, hits, self._lookahead(request, n))
         if needed > self.kv.num_free_blocks:
+            return None
+        if request.reserved_len and not self.kv.reserve_range(rid, computed + n + self._lookahead(request, n)):
             return None
         cpu_ids = self.cpu_blocks.pop(rid)
         # Hits stop one token short of what was computed, so at least one token's block is copied back.

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlab.analysis.contiguous import POLICIES, reservation_slots
+from kvlab.analysis.contiguous import POLICIES, make_arena, reservation_slots
 from kvlab.analysis.kv_size import config_dict, load_model_config
 from kvlab.benchmarks.replay import RequestTiming
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -288,13 +288,17 @@ class SimulatedEngine:
     def __init__(self, step_time_fn: StepTimeFn, num_blocks: int, max_model_len: int, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
-                 reservation_policy: str | None = None, prefix_caching_hash_algo: str = "builtin"):
+                 reservation_policy: str | None = None, prefix_caching_hash_algo: str = "builtin",
+                 reservation_arena: str | None = None):
         if not callable(step_time_fn):
             raise ValueError(f"step_time_fn must be a function of a StepComposition returning seconds, "
                              f"got {step_time_fn!r}")
         if reservation_policy is not None and reservation_policy not in POLICIES:
             raise ValueError(f"reservation_policy must be None (paging) or one of {', '.join(POLICIES)}, "
                              f"got {reservation_policy!r}")
+        if reservation_arena is not None and reservation_policy is None:
+            raise ValueError(f"reservation_arena={reservation_arena!r} places Orca's reservations: give a "
+                             f"reservation_policy too (paging reserves nothing)")
         self.step_time_fn = step_time_fn
         self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self.max_model_len = check_positive_int("max_model_len", max_model_len)
@@ -303,7 +307,9 @@ class SimulatedEngine:
         # "builtin" hashing (kvlab.core.prefix_cache): the same hits as sha256, barring a 64-bit collision, in a
         # tenth of the time; no K/V is served from it here.
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching,
-                                               prefix_caching_hash_algo=prefix_caching_hash_algo)
+                                               prefix_caching_hash_algo=prefix_caching_hash_algo,
+                                               reservation_arena=None if reservation_arena is None else
+                                               make_arena(reservation_arena, num_blocks))
         self.scheduler = Scheduler(self.kv_cache_manager, check_positive_int("max_num_seqs", max_num_seqs),
                                    check_positive_int("max_num_batched_tokens", max_num_batched_tokens),
                                    preemption_mode,
@@ -327,10 +333,13 @@ class SimulatedEngine:
         longest = prompt_len + output_len
         if self.reservation_policy is not None:
             longest = reservation_slots(self.reservation_policy, prompt_len, output_len, self.max_model_len)
-        if num_blocks_needed(longest, self.block_size) > self.num_blocks:
+        arena = self.kv_cache_manager.arena
+        room = self.num_blocks if arena is None else arena.largest_range
+        if num_blocks_needed(longest, self.block_size) > room:
+            where = f"the pool has {self.num_blocks} blocks in all" if arena is None else \
+                f"the {type(arena).__name__}'s largest range is {room} blocks"
             raise ValueError(f"request {request_id} can never fit: it needs up to {longest} tokens = "
-                             f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but the "
-                             f"pool has {self.num_blocks} blocks in all")
+                             f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but {where}")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], output_len: int,
                     output_token_ids: Sequence[int] | None = None) -> None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.analysis.contiguous import POLICIES, ContiguousArena, Hole, reservation_slots
+from kvlab.analysis.contiguous import POLICIES, BuddyArena, ContiguousArena, Hole, make_arena, reservation_slots
 
 
 def snapshot(arena: ContiguousArena):
@@ -213,3 +213,104 @@ def test_random_alloc_free_sequences_keep_the_arena_consistent(operations):
     for start in list(arena.allocations):
         arena.free(start)
     assert arena.holes == [Hole(0, NUM_SLOTS)]
+
+
+# --- the buddy allocator the paper's Orca baselines assume ------------------------------------------------------
+
+
+def test_a_buddy_arena_starts_as_its_binary_decomposition():
+    arena = BuddyArena(100)  # 64 + 32 + 4: every top block aligned to its size
+    assert arena.holes == [Hole(0, 64), Hole(64, 32), Hole(96, 4)]
+    assert arena.largest_range == 64, "no range can span two top blocks"
+    assert BuddyArena(64).holes == [Hole(0, 64)]
+
+
+def test_a_buddy_range_is_rounded_up_to_a_power_of_two_and_aligned_to_it():
+    arena = BuddyArena(64)
+    assert arena.allocate(5) == 0, "5 slots take a block of 8 at the lowest address"
+    assert arena.allocations == {0: 8}
+    assert arena.allocate(9) == 16, "9 slots take 16, aligned to 16: [8, 16) stays free"
+    assert arena.holes == [Hole(8, 8), Hole(32, 32)]
+    assert arena.num_allocated_slots == 24, "5 + 9 slots asked, 8 + 16 held: the rest is rounding"
+    assert BuddyArena.block_size(5) == 8 and BuddyArena.block_size(8) == 8 and ContiguousArena.block_size(5) == 5
+
+
+def test_the_smallest_free_block_that_fits_is_split_not_the_lowest_address():
+    arena = BuddyArena(100)  # 64 at 0, 32 at 64, 4 at 96
+    assert arena.allocate(3) == 96, "a 4-block exists: nothing is split"
+    assert arena.allocate(20) == 64, "the 32-block fits a 20-slot range; the 64-block stays whole"
+    assert arena.allocate(40) == 0
+
+
+def test_a_freed_block_merges_with_its_buddy_only():
+    arena = BuddyArena(64)
+    a, b, c, d = (arena.allocate(16) for _ in range(4))
+    assert (a, b, c, d) == (0, 16, 32, 48)
+    assert arena.free(b) == 16 and arena.free(c) == 16
+    # [16, 48) is 32 free, contiguous slots, but 16 and 32 are not buddies (16's buddy is 0, 32's is 48).
+    assert arena.holes == [Hole(16, 16), Hole(32, 16)]
+    assert not arena.can_allocate(17), "first fit would place 32 slots there; a buddy allocator cannot"
+    first_fit = ContiguousArena(64)
+    starts = [first_fit.allocate(16) for _ in range(4)]
+    first_fit.free(starts[1])
+    first_fit.free(starts[2])
+    assert first_fit.can_allocate(32)
+    arena.free(a)  # 0 + 16 -> 32 at 0, which waits for its buddy at 32 (half of it is still held)
+    assert arena.holes == [Hole(0, 32), Hole(32, 16)]
+    arena.free(d)
+    assert arena.holes == [Hole(0, 64)]
+
+
+def test_merging_stops_at_a_top_block():
+    arena = BuddyArena(96)  # 64 at 0 and 32 at 64: 64 and 64 + 32 are not buddies of one block
+    a, b = arena.allocate(64), arena.allocate(32)
+    arena.free(a)
+    arena.free(b)
+    assert arena.holes == [Hole(0, 64), Hole(64, 32)]
+
+
+def test_bad_buddy_input_raises_and_changes_nothing():
+    arena = BuddyArena(100)
+    arena.allocate(10)
+    before = snapshot(arena)
+    with pytest.raises(ValueError, match="cannot allocate 101 slots in an arena of 100"):
+        arena.allocate(101)
+    with pytest.raises(ValueError, match="no allocated range starts at slot 3"):
+        arena.free(3)
+    for bad in (0, -4, 2.5, "8"):
+        with pytest.raises(ValueError):
+            arena.allocate(bad)
+    assert snapshot(arena) == before
+    assert arena.allocate(70) is None, "70 slots round to 128: no block that large"
+    with pytest.raises(ValueError, match="unknown arena 'best-fit'"):
+        make_arena("best-fit", 10)
+    assert isinstance(make_arena("buddy", 10), BuddyArena) and isinstance(make_arena("first-fit", 10), ContiguousArena)
+
+
+def check_buddy_invariants(arena: BuddyArena) -> None:
+    covered = [0] * arena.num_slots
+    for start, size in [*arena.allocations.items(), *((h.start, h.size) for h in arena.holes)]:
+        assert size & (size - 1) == 0 and start % size == 0, f"block [{start}, {start + size}) is not aligned"
+        for i in range(start, start + size):
+            covered[i] += 1
+    assert covered == [1] * arena.num_slots, "free and allocated blocks tile the arena exactly"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_buddy_sequences_keep_the_arena_consistent(operations):
+    arena = BuddyArena(NUM_SLOTS + 36)  # 64 + 32 + 4: top blocks of three sizes
+    initial = arena.holes
+    for op, value in operations:
+        if op == "alloc":
+            fits = [h for h in arena.holes if h.size >= value]
+            smallest = min((h.size for h in fits), default=None)
+            expected = min((h.start for h in fits if h.size == smallest), default=None)
+            assert arena.allocate(value) == expected
+        elif arena.allocations:
+            starts = list(arena.allocations)
+            arena.free(starts[value % len(starts)])
+        check_buddy_invariants(arena)
+    for start in list(arena.allocations):
+        arena.free(start)
+    assert arena.holes == initial, "freeing everything merges back to the arena's top blocks"

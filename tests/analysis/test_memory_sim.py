@@ -278,6 +278,29 @@ def test_paging_serves_the_trace_faster(results):
     assert results["paged16"].mean_wait_steps < results["oracle"].mean_wait_steps
 
 
+# --- the buddy allocator the paper's Orca baselines assume -------------------------------------
+
+
+def test_a_buddy_arena_rounds_oracle_up_to_pow2_and_fragments_more_than_first_fit(shipped):
+    buddy = {p: simulate(shipped, p, num_slots=NUM_SLOTS, arena="buddy") for p in ("oracle", "pow2")}
+    for r in buddy.values():
+        assert_accounted(r)
+    assert buddy["oracle"].used_shares() == buddy["pow2"].used_shares(), \
+        "a buddy block is the power of two at or above the final length: Oracle holds exactly Pow2's range"
+    assert buddy["oracle"].used_shares()["internal"] > 0.15, "the rounding is held and never filled"
+    first_fit = simulate(shipped, "oracle", num_slots=NUM_SLOTS)
+    assert buddy["oracle"].num_steps > first_fit.num_steps, "rounding and alignment fit fewer Oracle requests"
+
+
+def test_buddy_alignment_strands_free_slots_first_fit_would_use():
+    # 64 slots. Four requests of 16 (no rounding); the 2nd and 3rd finish first, leaving [16, 48) free: one hole
+    # for first fit, two 16-slot blocks that are not buddies for the buddy allocator, so a 32-slot request waits.
+    trace = [req(0, 0, 14, 2), req(1, 0, 15, 1), req(2, 0, 15, 1), req(3, 0, 12, 4), req(4, 1, 31, 1)]
+    waits = {a: simulate(trace, "oracle", num_slots=64, max_model_len=64, arena=a).mean_wait_steps
+             for a in ("first-fit", "buddy")}
+    assert waits["buddy"] > waits["first-fit"], waits
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 
@@ -285,6 +308,7 @@ def test_paging_serves_the_trace_faster(results):
     "kwargs",
     [
         dict(allocator="buddy", num_slots=100),
+        dict(allocator="oracle", num_slots=100, arena="best-fit"),
         dict(allocator="oracle", num_slots=0),
         dict(allocator="paged", num_slots=100, block_size=0),
         dict(allocator="paged", num_slots=100, block_size=200),

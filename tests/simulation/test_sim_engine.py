@@ -41,21 +41,29 @@ class RecordingClock:
         return [r[i + 1] - r[i] for i in range(0, len(r), 2)]   # the very subtraction replay_arrivals makes
 
 
-@pytest.mark.parametrize("policy", [None, "pow2"])
-def test_given_the_live_step_times_the_simulation_takes_the_live_engines_decisions(embedded, policy):
+@pytest.mark.parametrize("policy, arena", [(None, None), ("pow2", None), ("oracle", "buddy")])
+def test_given_the_live_step_times_the_simulation_takes_the_live_engines_decisions(embedded, policy, arena):
     model, tokenizer = embedded
-    live = LLMEngine(model, tokenizer, reservation_policy=policy, **KNOBS)
+    live = LLMEngine(model, tokenizer, reservation_policy=policy, reservation_arena=arena, **KNOBS)
     clock = RecordingClock()
     live_timings = replay_arrivals(live, PROMPTS, LENS, ARRIVALS, clock=clock)
     measured = iter(clock.step_seconds())
 
     sim = SimulatedEngine(lambda step: next(measured), KNOBS["num_blocks"], live.max_model_len, KNOBS["block_size"],
-                          KNOBS["max_num_seqs"], KNOBS["max_num_batched_tokens"], reservation_policy=policy)
+                          KNOBS["max_num_seqs"], KNOBS["max_num_batched_tokens"], reservation_policy=policy,
+                          reservation_arena=arena)
     result = sim.run([SimRequest(a, p, n) for a, p, n in zip(ARRIVALS, PROMPTS, LENS)], record_steps=True)
 
     if policy is None:
         assert live.scheduler.num_preemptions > 0 and live.kv_cache_manager.hits > 0, \
             "set-up: the trace must make the live engine preempt and hit the prefix cache"
+    if arena is not None:
+        def steps(placed):
+            engine = SimulatedEngine(lambda step: 0.001, KNOBS["num_blocks"], live.max_model_len, KNOBS["block_size"],
+                                     KNOBS["max_num_seqs"], KNOBS["max_num_batched_tokens"], reservation_policy=policy,
+                                     reservation_arena=placed)
+            return engine.run([SimRequest(a, p, n) for a, p, n in zip(ARRIVALS, PROMPTS, LENS)]).num_steps
+        assert steps(arena) > steps(None), "set-up: the arena must keep out requests whose blocks are free"
     for mine, theirs in zip(result.steps, live.history):
         assert list(mine.tokens) == list(theirs.tokens.items()), \
             f"step {theirs.step}: scheduled (request, tokens) in batch order. Simulated: {mine.tokens} Live: " \
@@ -138,3 +146,10 @@ def test_bad_input_says_what_is_wrong():
         simulate(requests, "opt-13b", "A100-40GB", max_model_len=2048, num_blocks=100, system="orca-max")
     with pytest.raises(ValueError, match="system must be one of"):
         simulate(requests, "opt-13b", "A100-40GB", max_model_len=2048, system="vllm")
+    with pytest.raises(ValueError, match="give a reservation_policy too"):
+        SimulatedEngine(lambda step: 0.001, 64, 2048, reservation_arena="buddy")
+    with pytest.raises(ValueError, match="unknown arena 'slab'"):
+        SimulatedEngine(lambda step: 0.001, 64, 2048, reservation_policy="oracle", reservation_arena="slab")
+    with pytest.raises(ValueError, match="can never fit: .* but the BuddyArena's largest range is 64 blocks"):
+        simulate([SimRequest(0.0, [1] * 1100, 100)], "opt-13b", "A100-40GB", max_model_len=2048, num_blocks=100,
+                 system="orca-oracle", reservation_arena="buddy")
