@@ -1,6 +1,10 @@
 """Replicas behind a round-robin balancer (kvlab.simulation.planning, benchmarks/mooncake_serving.py): the split, the
 latency summary, the busy-time floor, the lower bound and the search for the fewest replicas that meet an SLO."""
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 
 from kvlab.analysis.mooncake import (
@@ -21,6 +25,7 @@ from kvlab.simulation.planning import (
 )
 
 LLAMA3 = resolve_model("llama-3-8b")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_round_robin_sends_every_request_to_exactly_one_replica_in_arrival_order():
@@ -184,3 +189,41 @@ def test_the_work_floor_is_below_every_replicas_simulated_busy_time(burst):
                         for r, h in zip(share, infinite_cache_hit_tokens(share)))
             assert least <= busy, f"{replicas} replicas: floor {least:.2f} s above the simulated {busy:.2f} s"
             assert least > 0.4 * busy, "the floor is not trivially loose either (0.47-0.75 of it here)"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("mooncake_serving", ROOT / "benchmarks" / "mooncake_serving.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_reports_a_deployment_that_cannot_hold_the_longest_request_as_infeasible(tmp_path):
+    """On one L4 Llama-3-8B leaves a pool of 51,936 tokens, short of the 87,571 of the longest of the first 40
+    requests; its 8 KV heads do not split over TP 3. Neither may crash the run: both are reported, with the reason."""
+    out = tmp_path / "serving.json"
+    report = load_script().main(["--gpu", "L4", "--tp", "1", "3", "--requests", "40", "--json", str(out)])
+    one, three = report["per_tp"]["1"], report["per_tp"]["3"]
+    assert not one["feasible"] and "cannot hold the longest request (87,571 tokens)" in one["reason"]
+    assert not three["feasible"] and "do not split evenly" in three["reason"]
+    assert report["deployments"] == [] and report["fewest"] is None
+    assert json.loads(out.read_text())["per_tp"]["1"]["reason"] == one["reason"]
+
+
+def test_the_script_serves_the_first_requests_and_saves_every_deployment(tmp_path, capsys):
+    out = tmp_path / "serving.json"
+    report = load_script().main(["--tp", "4", "--requests", "40", "--ttft-slo", str(TTFT_SLO), "--max-replicas", "4",
+                                 "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["requests"] == 40 and saved["routing"] == "round-robin"
+    tried = saved["per_tp"]["4"]["tried"]
+    assert [d["replicas"] for d in saved["deployments"]] == [int(k) for k in tried], "one entry per deployment run"
+    for d in saved["deployments"]:
+        assert set(d["latency_s"]) == {"ttft", "tpot", "itl", "e2e"}
+        assert set(d["latency_s"]["ttft"]) == {"p50", "p90", "p99"}
+        assert d["met"] == tried[str(d["replicas"])]
+        assert 0 <= d["prefix_hit_rate"] <= 1 and d["num_blocks"] > 0
+    best = report["fewest"]
+    assert best == {"num_gpus": 4 * saved["per_tp"]["4"]["replicas"], "tensor_parallel_size": 4,
+                    "replicas": saved["per_tp"]["4"]["replicas"]}
+    assert "shared prefixes are scattered over the replicas" in capsys.readouterr().out
