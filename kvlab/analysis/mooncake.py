@@ -259,8 +259,14 @@ def infinite_cache_hits(requests: Sequence[MooncakeRequest], block_size: int = 1
     of that, short of the last prompt token. Exact for the prompts of PromptSynthesizer at a block_size that
     divides 512 (floor(shared / block_size) blocks for any other size).
     """
+    hit_tokens = sum(infinite_cache_hit_tokens(requests, block_size))
+    return PrefixCacheHits(None, block_size, sum(r.input_length for r in requests), hit_tokens, 0)
+
+
+def infinite_cache_hit_tokens(requests: Sequence[MooncakeRequest], block_size: int = 16) -> list[int]:
+    """Each request's prompt tokens an unbounded prefix cache serves (infinite_cache_hits' rule), in order."""
     longest_through: dict[int, int] = {}  # hash id -> longest earlier prompt containing it
-    prompt_tokens = hit_tokens = 0
+    hits = []
     for r in requests:
         seen = 0
         for h in r.hash_ids:
@@ -270,9 +276,8 @@ def infinite_cache_hits(requests: Sequence[MooncakeRequest], block_size: int = 1
         shared = 0
         if seen:
             shared = min(MOONCAKE_BLOCK_TOKENS * seen, longest_through[r.hash_ids[seen - 1]], r.input_length)
-        hit_tokens += block_size * min(shared // block_size, (r.input_length - 1) // block_size)
-        prompt_tokens += r.input_length
+        hits.append(block_size * min(shared // block_size, (r.input_length - 1) // block_size))
         for h in r.hash_ids:
             if longest_through.get(h, 0) < r.input_length:
                 longest_through[h] = r.input_length
-    return PrefixCacheHits(None, block_size, prompt_tokens, hit_tokens, 0)
+    return hits

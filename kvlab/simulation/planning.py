@@ -11,6 +11,15 @@
                         (requests_with_fresh_prompts: the same for any list of lengths)
     slo_figures         a run's TTFT and TPOT at one percentile, the figures an SLO judges
 
+Replicas behind a plain load balancer (benchmarks/mooncake_serving.py: a production trace at its own rate):
+
+    round_robin           request i to replica i mod k, arrival order kept: each replica is its own engine
+    latency_percentiles   TTFT, TPOT, ITL and E2E at p50 / p90 / p99 over the union of the replicas' requests
+    work_floor            the least time a token position, a prefill attention pair and a decode's context token
+                          can cost on the step-time model: a floor on a replica's busy time
+    replicas_lower_bound  the fewest replicas whose busiest one is not busy beyond the trace's span
+    fewest_replicas       from that bound upward, the fewest replicas for which a deployment meets the SLO
+
 The KV capacity of a deployment is kvlab.simulation.capacity.kv_capacity.
 """
 
@@ -18,8 +27,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvlab.analysis.traces import load_trace
 from kvlab.benchmarks.datasets import poisson_arrivals
@@ -27,8 +37,19 @@ from kvlab.benchmarks.latency import percentile
 from kvlab.paths import ASSETS_DIR
 from kvlab.simulation.engine import SimRequest
 from kvlab.simulation.gpus import GPU, get_gpu
-from kvlab.simulation.step_time import ModelSpec, _check_step, weight_bytes_per_gpu
+from kvlab.simulation.step_time import (
+    DEFAULT_STEP_OVERHEAD_S,
+    EFFICIENCY,
+    ModelSpec,
+    Op,
+    _check_step,
+    layer_ops,
+    step_time,
+    weight_bytes_per_gpu,
+)
 from kvlab.validation import check_number, check_positive_int
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +188,175 @@ def slo_figures(timings, q: float = 0.9) -> tuple[float, float]:
     TPOT and are left out of it."""
     tpots = [t.metrics().tpot for t in timings if t.output_len > 1]
     return percentile([t.ttft for t in timings], q), percentile(tpots, q) if tpots else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicas behind a round-robin load balancer: the split, the latency summary, the lower bound, the search.
+
+
+def round_robin(requests: Sequence[T], replicas: int) -> list[list[T]]:
+    """The requests each of `replicas` independent engines gets from a round-robin balancer: request i (in arrival
+    order) goes to replica i mod replicas, and each replica's share keeps arrival order.
+
+    A plain balancer looks at no prompt, so requests that share a prefix land on different replicas and each
+    replica's prefix cache sees only its share (cache-aware routing would keep them together).
+    """
+    check_positive_int("replicas", replicas)
+    if not isinstance(requests, Sequence):
+        raise ValueError(f"requests must be a sequence (a list in arrival order), got {type(requests).__name__}")
+    return [list(requests[r::replicas]) for r in range(replicas)]
+
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+def latency_percentiles(timings: Iterable,
+                        quantiles: Sequence[float] = (0.5, 0.9, 0.99)) -> dict[str, dict[str, float | None]]:
+    """TTFT, TPOT, ITL and end-to-end latency of a run at each quantile, seconds: {"ttft": {"p50": ..., ...}, ...}.
+
+    timings: RequestTiming of every request (of every replica: the union is what a client sees). The definitions
+    are RequestTiming.metrics()' (kvlab.benchmarks.latency, the live server's): TPOT over requests of more than one
+    token; ITL pools every gap between consecutive token arrivals of every request. Nearest-rank percentiles
+    (kvlab.benchmarks.latency.percentile); a metric with no value (no request of two tokens) gets None.
+    """
+    values: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
+    for t in timings:
+        m = t.metrics()
+        values["ttft"].append(m.ttft)
+        values["e2e"].append(m.e2e)
+        if m.tpot is not None:
+            values["tpot"].append(m.tpot)
+        values["itl"].extend(m.itl)
+    if not values["ttft"]:
+        raise ValueError("no requests: a latency summary needs at least one finished request")
+    for q in quantiles:
+        check_number("quantile", q, what="quantile")
+        if q > 1:
+            raise ValueError(f"a quantile lies in [0, 1] (0.9 is p90), got {q}")
+    return {name: {_quantile_name(q): (percentile(v, q) if v else None) for q in quantiles}
+            for name, v in values.items()}
+
+
+def _quantile_name(q: float) -> str:
+    """0.5 -> 'p50', 0.9 -> 'p90', 0.99 -> 'p99', 0.999 -> 'p99.9'."""
+    return f"p{100 * q:.10g}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkFloor:
+    """The least GPU seconds each kind of work can cost on the step-time model (kvlab.simulation.step_time), over
+    every possible batch: a floor on a replica's busy time.
+
+    token_s: one token position through everything but attention and the LM head, the per-step cost included
+    and spread over the step size that makes it cheapest (up to max_num_batched_tokens). prefill_pair_s: one
+    causal (query, key) pair of prefill attention, its FLOPs at the attention kernel's efficiency. decode_context_s:
+    one context token a decode reads, its K/V bytes at the attention kernel's efficiency. All layers included.
+    """
+
+    token_s: float
+    prefill_pair_s: float
+    decode_context_s: float
+
+    def request_seconds(self, prompt_len: int, output_len: int, cached_tokens: int = 0) -> float:
+        """A request's least busy time: its prompt past cached_tokens prefilled (positions and causal pairs), then
+        output_len - 1 decodes over contexts prompt_len + 1, ..., prompt_len + output_len - 1.
+
+        A preemption only adds work: recomputing a context of c tokens costs c positions, more than the one decode
+        read of c tokens it stands in for.
+        """
+        p, n, h = prompt_len, output_len, cached_tokens
+        if not 0 <= h < p or n < 1:
+            raise ValueError(f"need 0 <= cached_tokens < prompt_len and output_len >= 1, got cached_tokens={h}, "
+                             f"prompt_len={p}, output_len={n}")
+        positions = p - h + n - 1
+        pairs = (p * (p + 1) - h * (h + 1)) // 2          # position i attends to i + 1 keys
+        contexts = (n - 1) * p + (n - 1) * n // 2
+        return positions * self.token_s + pairs * self.prefill_pair_s + contexts * self.decode_context_s
+
+
+def work_floor(model: ModelSpec, gpu: GPU | str, tensor_parallel_size: int = 1, max_num_batched_tokens: int = 8192,
+               step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S) -> WorkFloor:
+    """The WorkFloor of a model on tensor_parallel_size GPUs: each operator's roofline term that grows with the
+    work (the max() of a roofline is at least either term), fixed per-kernel costs dropped except in token_s."""
+    gpu = get_gpu(gpu)
+    check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    check_number("step_overhead_s", step_overhead_s, what="number of seconds")
+    best = math.inf
+    for n in range(1, max_num_batched_tokens + 1):
+        st = step_time(model, gpu, prefills=[(n, 0)], tensor_parallel_size=tensor_parallel_size, num_sampled=0,
+                       step_overhead_s=0.0)
+        best = min(best, (st.total_s - st.num_layers * st.per_layer["attn_prefill"] + step_overhead_s) / n)
+
+    def attention(prefills=(), decodes=()) -> Op:
+        name = "attn_prefill" if prefills else "attn_decode"
+        return next(op for op in layer_ops(model, 0, tensor_parallel_size, prefills, decodes) if op.name == name)
+
+    eff = EFFICIENCY["attention"]
+    pair_flops = attention(prefills=[(1, 0)]).flops                                   # one causal pair
+    context_bytes = attention(decodes=[2]).bytes - attention(decodes=[1]).bytes     # one more context token
+    return WorkFloor(best, model.num_layers * pair_flops / (eff.flops * gpu.flops_per_s),
+                     model.num_layers * context_bytes / (eff.memory * gpu.memory_bytes_per_s))
+
+
+def replicas_lower_bound(busy_seconds: Callable[[int], float], span_s: float, max_replicas: int) -> int | None:
+    """The fewest replicas k whose busiest replica's lower-bound busy time, busy_seconds(k), fits in span_s (the
+    trace's arrival span); None if none up to max_replicas does.
+
+    busy_seconds(k) is typically the sum of WorkFloor.request_seconds over the busiest replica's share. A replica
+    busy for longer than the span on a steady arrival rate falls behind for good: its queue, and so
+    its requests' TTFT, grows through the run, so fewer replicas than this fail any TTFT objective; a search for
+    the fewest that meet an SLO can start here (fewest_replicas).
+    """
+    check_number("span_s", span_s, allow_zero=False, what="number of seconds")
+    check_positive_int("max_replicas", max_replicas)
+    for k in range(1, max_replicas + 1):
+        if busy_seconds(k) <= span_s:
+            return k
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSearch:
+    """The fewest replicas that met (None if none up to the limit) and every count tried, in order: count -> met."""
+
+    replicas: int | None
+    tried: dict[int, bool]
+
+
+def fewest_replicas(meets: Callable[[int], bool], low: int, high: int) -> ReplicaSearch:
+    """The fewest replicas in [low, high] for which meets(replicas) is True, assuming that more replicas never
+    turn a deployment that met into one that fails.
+
+    low must be a justified lower bound (replicas_lower_bound): meets(low) is tried first and returned if True.
+    Otherwise the count climbs by steps that double (low + 1, low + 2, low + 4, ...; high last) until one
+    meets, then the gap between the last that failed and the first that met is halved: a few runs even when
+    low is far off, and exactly low's run when the bound is tight.
+    """
+    check_positive_int("low", low)
+    check_positive_int("high", high)
+    if high < low:
+        raise ValueError(f"high must be at least low: the search runs over [low, high], got low={low}, high={high}")
+    tried: dict[int, bool] = {}
+
+    def run(k: int) -> bool:
+        tried[k] = bool(meets(k))
+        return tried[k]
+
+    if run(low):
+        return ReplicaSearch(low, tried)
+    failed, step = low, 1
+    while True:
+        k = min(low + step, high)
+        if run(k):
+            break
+        if k == high:
+            return ReplicaSearch(None, tried)
+        failed, step = k, 2 * step
+    met = k
+    while met - failed > 1:
+        mid = (failed + met) // 2
+        if run(mid):
+            met = mid
+        else:
+            failed = mid
+    return ReplicaSearch(met, tried)
