@@ -27,3 +27,17 @@ def test_figure12_searches_each_knee_and_reports_the_ratios(tmp_path):
         "paging fits more requests in the same memory than reserving max_model_len each, so it sustains more")
     again = figure12.main(["--from-json", str(out), "--json", str(tmp_path / "again.json")])
     assert again["crossing_rate"] == crossing, "--from-json summarises a saved sweep to the same figures"
+
+
+def test_on_a_buddy_arena_orca_oracle_sustains_less_than_on_the_pools_blocks(tmp_path):
+    figure12 = load("figure12_gpu")
+    args = ["--requests", "120", "--coarse", "1", "2", "4", "--refine", "1", "--seeds", "0",
+            "--systems", "paged", "orca-oracle"]
+    pool = figure12.main([*args, "--json", str(tmp_path / "pool.json")])
+    buddy = figure12.main([*args, "--arena", "buddy", "--json", str(tmp_path / "buddy.json")])
+    assert (pool["arena"], buddy["arena"]) == ("pool", "buddy"), "the saved report says where reservations lived"
+    assert buddy["curves_s_per_token"]["paged"] == pool["curves_s_per_token"]["paged"], \
+        "paging reserves nothing: the arena changes none of its runs"
+    assert buddy["crossing_rate"]["orca-oracle"] < pool["crossing_rate"]["orca-oracle"], (
+        "a buddy allocator rounds each reservation up to a power of two and aligns it: fewer requests fit, "
+        "so Orca(Oracle) crosses the bound at a lower rate")
