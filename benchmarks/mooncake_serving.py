@@ -87,10 +87,9 @@ def serve(trace, args, tp: int, replicas: int, num_blocks: int, pool, bar) -> di
     wall = time.perf_counter() - started
     timings = [t for r in results for t in r.timings]
     ttft, tpot = slo_figures(timings, args.quantile)
-    # Hits over every prompt token served. SimulationResult.num_prompt_tokens is KVCacheManager.queries, which counts
-    # a chunked prompt's first chunk only (hits + the tokens allocated at admission), so its prefix_hit_rate
-    # overstates long prompts' hits; a request re-admitted after a preemption adds its hits again.
-    prompt = sum(t.prompt_len for t in timings)
+    # Hits over every prompt token (SimulationResult counts each prompt once, whole, and leaves out the hits of a
+    # request re-admitted after a preemption, which finds its own blocks again).
+    prompt = sum(r.num_prompt_tokens for r in results)
     ceiling = sum(infinite_cache_hits(share).hit_tokens for share in round_robin(trace, replicas))
     return dict(
         tp=tp, replicas=replicas, num_gpus=tp * replicas, feasible=True,

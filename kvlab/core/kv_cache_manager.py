@@ -79,8 +79,12 @@ class KVCacheManager(PooledBlockManager):
         self._req_tail: dict[object, list[int]] = {}
         self._req_extra_keys: dict[object, Hashable | None] = {}
         self._req_drafts: dict[object, list[int]] = {}  # each request's unverified draft tokens, not hashed yet
-        self.queries = 0  # prompt tokens of admitted requests
-        self.hits = 0     # of which were served from the cache
+        # Prompt tokens looked up when requests were admitted (the whole prompt, however it is chunked), and of
+        # those, the ones served from the cache; re-admissions after a preemption are counted apart.
+        self.queries = 0
+        self.hits = 0
+        self.preempted_queries = 0
+        self.preempted_hits = 0
         # In blocks: a range of k blocks stands for k * block_size contiguous token slots.
         self.arena = reservation_arena
         self._ranges: dict[object, int] = {}  # request id -> the start of its range in the arena
@@ -152,7 +156,8 @@ class KVCacheManager(PooledBlockManager):
 
     def allocate_slots(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
                        new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None,
-                       num_draft_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[int]:
+                       num_draft_tokens: int = 0, num_lookahead_tokens: int = 0,
+                       num_query_tokens: int | None = None, preempted: bool = False) -> list[int]:
         """Grow a request by num_new_tokens after its computed blocks; returns the new tokens' slots.
 
         A new request first takes a reference to its cache hits; blocks come from the pool only as the
@@ -160,10 +165,14 @@ class KVCacheManager(PooledBlockManager):
         hash. With prefix caching on, new_token_ids (the tokens being added) are required to hash those
         blocks. The last num_draft_tokens new tokens are unverified drafts (see rollback_draft_tokens);
         num_lookahead_tokens more slots past them are held too (a draft model writes its K/V there).
+        num_query_tokens, at admission: the length of the token sequence the hit was looked up in, which the
+        hit-rate counters count as queried (default: the hit plus this call's tokens; give the whole prompt when
+        it is admitted a chunk at a time). preempted: a re-admission after a preemption, whose lookup finds its
+        own blocks again; it is counted apart (preempted_queries, preempted_hits), as vLLM V1 does.
         allocate_blocks does all of this without building the slots.
         """
         self.allocate_blocks(request_id, num_new_tokens, computed_blocks, new_token_ids, extra_keys, num_draft_tokens,
-                             num_lookahead_tokens)
+                             num_lookahead_tokens, num_query_tokens, preempted)
         start = self.num_tokens[request_id] - num_new_tokens
         first = start // self.block_size  # only the blocks the new tokens land in, not the whole table, on every decode
         return slot_mapping_for([b.block_id for b in self.req_to_blocks[request_id][first:]],
@@ -171,7 +180,8 @@ class KVCacheManager(PooledBlockManager):
 
     def allocate_blocks(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
                         new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None,
-                        num_draft_tokens: int = 0, num_lookahead_tokens: int = 0) -> None:
+                        num_draft_tokens: int = 0, num_lookahead_tokens: int = 0,
+                        num_query_tokens: int | None = None, preempted: bool = False) -> None:
         """allocate_slots without the slot mapping: the scheduler's call, as in vLLM V1, where the model runner
         computes each step's slots from the block tables it is sent (vllm/v1/worker/block_table.py)."""
         if computed_blocks:
@@ -195,6 +205,12 @@ class KVCacheManager(PooledBlockManager):
                              f"tokens: call rollback_draft_tokens after verifying them, before allocating more")
         if computed_blocks and blocks is not None:
             raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
+        if num_query_tokens is not None and (
+                not is_integer(num_query_tokens)
+                or num_query_tokens < len(computed_blocks) * self.block_size + num_new_tokens):
+            raise ValueError(f"num_query_tokens is the length looked up at admission: None or at least the hit plus "
+                             f"the new tokens ({len(computed_blocks) * self.block_size} + {num_new_tokens}), got "
+                             f"{num_query_tokens!r}")
         if self.enable_prefix_caching and new_token_ids is None:
             raise ValueError("prefix caching needs new_token_ids to hash the blocks that fill up")
         for block in computed_blocks:
@@ -215,8 +231,14 @@ class KVCacheManager(PooledBlockManager):
             self._req_tail[request_id] = []
             self._req_extra_keys[request_id] = extra_keys
             self._req_drafts[request_id] = []
-            self.queries += self.num_tokens[request_id] + num_new_tokens
-            self.hits += self.num_tokens[request_id]
+            if num_query_tokens is None:
+                num_query_tokens = self.num_tokens[request_id] + num_new_tokens
+            if preempted:
+                self.preempted_queries += num_query_tokens
+                self.preempted_hits += self.num_tokens[request_id]
+            else:
+                self.queries += num_query_tokens
+                self.hits += self.num_tokens[request_id]
         end = self.num_tokens[request_id] + num_new_tokens
         wanted = num_blocks_needed(end + num_lookahead_tokens, self.block_size)
         if wanted > len(blocks):

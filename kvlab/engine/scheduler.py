@@ -263,9 +263,11 @@ class Scheduler:
         return max(reserve, min(self.num_lookahead_tokens, request.max_len - end))
 
     def _allocate(self, request: Request, n: int, out: SchedulerOutput, computed_blocks=(),
-                  lookahead: int | None = None) -> None:
+                  lookahead: int | None = None, num_query_tokens: int | None = None, preempted: bool = False) -> None:
         """Give a request n new tokens' slots and put it in this step's output (with its drafts and new blocks);
-        lookahead: _lookahead(request, n), when the caller has it already."""
+        lookahead: _lookahead(request, n), when the caller has it already; num_query_tokens: at admission, what
+        the prefix-cache counters count as looked up, and preempted: whether it is a re-admission
+        (KVCacheManager.allocate_slots)."""
         rid, start = request.request_id, request.num_computed_tokens
         # Only positions below recompute_until were computed before; prefix-cache hits already skipped some.
         if start < request.recompute_until:
@@ -279,7 +281,7 @@ class Scheduler:
         if num_drafts:
             tokens += request.spec_token_ids
         self.kv.allocate_blocks(rid, n, computed_blocks, new_token_ids=tokens, num_draft_tokens=num_drafts,
-                                num_lookahead_tokens=lookahead)
+                                num_lookahead_tokens=lookahead, num_query_tokens=num_query_tokens, preempted=preempted)
         out.num_scheduled_tokens[rid] = n
         if num_drafts:
             out.scheduled_spec_decode_tokens[rid] = list(request.spec_token_ids)
@@ -321,7 +323,11 @@ class Scheduler:
         if request.reserved_len and not self.kv.reserve_range(request.request_id, num_cached + n + lookahead):
             return None
         request.num_computed_tokens = num_cached
-        self._allocate(request, n, out, hits)
+        # The whole prompt was looked up, whatever this step's chunk. A re-admission after a preemption finds its own
+        # blocks again, which is no prefix sharing: counted apart, as vLLM V1 does (preempted_queries and
+        # preempted_hits of PrefixCacheStats, vllm/v1/metrics/stats.py, outside the exported hit rate).
+        self._allocate(request, n, out, hits, num_query_tokens=request.num_tokens,
+                       preempted=request.num_preemptions > 0)
         self._admitted(request, hits)
         out.admitted.append(request.request_id)
         return n
@@ -340,7 +346,8 @@ class Scheduler:
             return None
         cpu_ids = self.cpu_blocks.pop(rid)
         # Hits stop one token short of what was computed, so at least one token's block is copied back.
-        self.kv.allocate_blocks(rid, computed - num_cached, hits, new_token_ids=tokens[num_cached:computed])
+        self.kv.allocate_blocks(rid, computed - num_cached, hits, new_token_ids=tokens[num_cached:computed],
+                                num_query_tokens=computed, preempted=True)
         first = num_cached // self.kv.block_size  # blocks still cached need no copy
         gpu_ids = self.kv.get_block_ids(rid, start=first)[:len(cpu_ids) - first]
         out.blocks_to_swap_in += zip(cpu_ids[first:], gpu_ids)

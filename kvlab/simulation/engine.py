@@ -248,7 +248,7 @@ class SimulationResult:
     timings: list[RequestTiming]
     num_steps: int
     num_preemptions: int
-    num_prompt_tokens: int            # prompt tokens admitted (recomputes not counted)
+    num_prompt_tokens: int            # prompt tokens looked up at admission (whole prompts; re-admissions not counted)
     num_cached_prompt_tokens: int     # of which the prefix cache served
     num_tokens_computed: int          # every token position run, recomputes included
     peak_used_blocks: int
@@ -259,6 +259,7 @@ class SimulationResult:
 
     @property
     def prefix_hit_rate(self) -> float:
+        """Share of the prompts' tokens served by the prefix cache (vLLM's exported hit rate)."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 

@@ -85,6 +85,27 @@ def test_shared_prefix_is_a_hit_and_blocks_are_shared():
     assert manager.hit_rate == pytest.approx(8 / 21)
 
 
+def test_a_prompt_admitted_a_chunk_at_a_time_counts_whole_and_a_readmission_counts_apart():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    _admit(manager, "a", list(range(12)))
+    prompt = list(range(8)) + [60 + i for i in range(12)]   # 20 tokens, the first 8 cached
+    blocks, num_cached = manager.get_computed_blocks("b", prompt)
+    manager.allocate_slots("b", 4, blocks, new_token_ids=prompt[8:12], num_query_tokens=len(prompt))
+    assert (manager.queries, manager.hits) == (12 + 20, 8), \
+        "the whole 20-token prompt was looked up, though only its first chunk of 4 was admitted now"
+    manager.allocate_slots("b", 8, new_token_ids=prompt[12:])
+    assert manager.queries == 32, "later chunks are no new lookup"
+    manager.free("b")
+    blocks, num_cached = manager.get_computed_blocks("b", prompt)
+    manager.allocate_slots("b", 20 - num_cached, blocks, new_token_ids=prompt[num_cached:], num_query_tokens=20,
+                           preempted=True)
+    assert (manager.queries, manager.hits) == (32, 8), "a re-admission finds its own blocks: not prefix sharing"
+    assert (manager.preempted_queries, manager.preempted_hits) == (20, num_cached) and num_cached == 16
+    with pytest.raises(ValueError, match="num_query_tokens is the length looked up at admission"):
+        manager.allocate_slots("c", 4, new_token_ids=[1, 2, 3, 4], num_query_tokens=3)
+    assert "c" not in manager.num_tokens
+
+
 def test_prefix_shorter_than_a_block_is_no_hit():
     manager = KVCacheManager(num_blocks=8, block_size=4)
     _admit(manager, "a", [1, 2, 3, 9, 9])

@@ -87,7 +87,7 @@ def test_int8_under_chunking_and_preemption_equals_generate(embedded, long_refer
     if "tiny pool" in name or "swap" in name:
         assert engine.scheduler.num_preemptions > 0, f"{name} is meant to force preemptions"
     if "recompute" in name:
-        assert engine.kv_cache_manager.hits > 0, "recomputed requests hit their own cached int8 blocks"
+        assert engine.kv_cache_manager.preempted_hits > 0, "recomputed requests hit their own cached int8 blocks"
     if "swap" in name:
         assert engine.swap_space.blocks_swapped_out > 0 and engine.swap_space.blocks_swapped_in > 0
         assert len(engine.swap_space.blocks) == 4 * engine.cache.num_layers, "K, V and both scales go to the CPU pool"

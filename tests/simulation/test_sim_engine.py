@@ -130,6 +130,18 @@ def test_static_batches_run_to_their_longest_member_and_return_together():
         "a batch prefills together, then every member decodes each pass, finished or not"
 
 
+def test_the_hit_rate_counts_whole_prompts_once_however_they_are_chunked_or_preempted():
+    shared = [5] * 64
+    requests = [SimRequest(0.01 * i, shared + [100 + i] * 40, 30) for i in range(8)]
+    engine = SimulatedEngine(lambda step: 0.001, num_blocks=40, max_model_len=256, block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=16)
+    result = engine.run(requests)
+    assert result.num_preemptions > 0, "set-up: 40 blocks of 4 must force preemptions"
+    assert result.num_prompt_tokens == 8 * 104, "every prompt is looked up once, whole, though admitted in chunks"
+    assert result.num_cached_prompt_tokens <= 7 * 64, "only the shared 64 tokens of the last seven can hit"
+    assert engine.kv_cache_manager.preempted_hits > 0, "re-admissions find their own blocks, counted apart"
+
+
 def test_bad_input_says_what_is_wrong():
     requests = [SimRequest(0.0, [1] * 8, 4)]
     with pytest.raises(ValueError, match="unknown GPU 'A100-41GB'"):
