@@ -45,6 +45,23 @@ def check_block_size(block_size) -> int:
     return check_int("block_size", block_size, 1)
 
 
+def check_sliding_window(sliding_window) -> int | None:
+    """sliding_window as an int, or None (full attention); ArgumentTypeError / ValueError for anything else.
+
+    A window of W keys lets the query at position p see keys p - W + 1 .. p, itself included, so W = 0
+    would leave it nothing to attend to: full attention is None, never 0.
+    """
+    if sliding_window is None:
+        return None
+    what = ("sliding_window must be a positive integer (the keys a query sees, itself included) or None for full "
+            f"attention, got {sliding_window!r}")
+    if not is_integer(sliding_window):
+        raise ArgumentTypeError(f"{what} ({type(sliding_window).__name__})")
+    if sliding_window < 1:
+        raise ValueError(what)
+    return int(sliding_window)
+
+
 def check_number(name: str, value, allow_zero: bool = True, what: str = "number") -> float:
     """value if it is a finite real number >= 0 (> 0 without allow_zero); ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from kvlab.validation import ArgumentTypeError, check_block_size, check_int, check_number, check_positive_int
+from kvlab.validation import (
+    ArgumentTypeError,
+    check_block_size,
+    check_int,
+    check_number,
+    check_positive_int,
+    check_sliding_window,
+)
 
 
 @pytest.mark.parametrize("value", [2.5, "3", None, True, False])
@@ -51,3 +58,14 @@ def test_is_integer_is_the_one_rule_for_counts_and_ids():
     from kvlab.validation import is_integer
     assert is_integer(3) and is_integer(np.int32(3)) and is_integer(-1)
     assert not any(is_integer(v) for v in (True, 3.0, "3", None))
+
+
+def test_a_sliding_window_is_a_positive_integer_or_none_for_full_attention():
+    """0 is refused rather than read as full attention: a window of 0 keys would hide even the query itself."""
+    assert check_sliding_window(None) is None and check_sliding_window(4096) == 4096
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="sliding_window must be a positive integer .* or None for full"):
+            check_sliding_window(bad)
+    for bad in (2.0, "128", True):
+        with pytest.raises(ArgumentTypeError, match="sliding_window"):
+            check_sliding_window(bad)

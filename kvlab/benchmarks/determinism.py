@@ -117,20 +117,19 @@ class SplitRuleBackend(TorchBackend):
         self.max_split_seqs, self.num_segments, self.batch_invariant = max_split_seqs, num_segments, batch_invariant
         self.split_passes = 0    # layer calls that took the split path, to show the rule fired
 
-    def forward(self, storage, layer_idx, query, metadata, scaling) -> torch.Tensor:
+    def forward(self, storage, layer_idx, query, metadata, scaling, sliding_window=None) -> torch.Tensor:
         self._decode_only = len(metadata.decode_seqs) == len(metadata.query_lens)
-        return super().forward(storage, layer_idx, query, metadata, scaling)
+        return super().forward(storage, layer_idx, query, metadata, scaling, sliding_window)
 
-    def decode(self, storage, layer_idx, q, metadata, scaling) -> torch.Tensor:
+    def decode(self, storage, layer_idx, q, metadata, scaling, sliding_window=None) -> torch.Tensor:
         """q [B, H, D] of the decodes -> [B, H, D], split or not by the rule."""
         if self.batch_invariant or not self._decode_only or q.shape[0] > self.max_split_seqs:
-            return super().decode(storage, layer_idx, q, metadata, scaling)
+            return super().decode(storage, layer_idx, q, metadata, scaling, sliding_window)
         self.split_passes += 1
-        index = metadata.slot_index
+        index, mask = self.decode_inputs(metadata, sliding_window)
         k, v = storage.gather_slots(layer_idx, index.reshape(-1), q.dtype)
         shape = (*index.shape, *k.shape[1:])
-        return split_decode_attention(q, k.view(shape), v.view(shape), metadata.padding_mask, scaling,
-                                      self.num_segments)
+        return split_decode_attention(q, k.view(shape), v.view(shape), mask, scaling, self.num_segments)
 
 
 def split_decode_attention(q, k, v, mask, scaling, num_segments: int) -> torch.Tensor:

@@ -16,6 +16,11 @@ int32 tables and offsets for the kernel); then, once per layer, do_kv_cache_upda
 K/V at the pass's slot_mapping and forward attends. A backend reads K/V only through the storage
 (kvlab.cache.kv_storage): real numbers for the torch paths, the raw pools and scales for the kernel.
 
+Sliding-window layers: forward takes the layer's sliding_window (None: full attention; W: each query sees
+its last W positions, kvlab.kernels.reference states the convention), so one backend serves a hybrid
+model's full and windowed layers alike. No backend reads a block wholly before every query's window: the
+KV cache manager may have freed it and left a placeholder in the table (vLLM's null block).
+
 The cache write is the backend's: the reference and torch backends hand it to the storage (KVStorage.write,
 a torch index), and the Triton backend stores float pools with Chapter 7's store kernel,
 kvlab.kernels.reshape_and_cache (vLLM's reshape_and_cache_flash: one program per token, slot -1 skipped).
@@ -38,17 +43,24 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache.attention import causal_attention
+from kvlab.validation import check_sliding_window
 
 ATTENTION_BACKENDS = ("auto", "reference", "torch", "triton")
 
 
-def attend_sequence(storage, layer_idx: int, q: torch.Tensor, block_table: list[int], seq_len: int, scaling: float):
+def attend_sequence(storage, layer_idx: int, q: torch.Tensor, block_table: list[int], seq_len: int, scaling: float,
+                    sliding_window: int | None = None):
     """One sequence's new queries q [H, T_new, D] over its seq_len tokens in storage -> [T_new, H, D].
 
     The one torch reference for a sequence's paged attention: every torch path computes prefill chunks with it.
+    With a sliding_window W the gather starts at the block holding the first query's oldest visible key.
     """
-    k, v = storage.gather(layer_idx, block_table, seq_len, q.dtype)
-    return causal_attention(q, k, v, scaling)
+    first_block = 0
+    if sliding_window is not None:
+        first_block = max(0, seq_len - q.shape[1] - sliding_window + 1) // storage.block_size
+    skipped = first_block * storage.block_size
+    k, v = storage.gather(layer_idx, block_table[first_block:], seq_len - skipped, q.dtype)
+    return causal_attention(q, k, v, scaling, sliding_window)
 
 
 @dataclass(slots=True)
@@ -81,8 +93,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, storage, layer_idx: int, query: torch.Tensor, metadata: AttentionMetadata,
-                scaling: float) -> torch.Tensor:
-        """Every sequence's new queries (query [1, H, T, D]) over its blocks -> [T, H, D]."""
+                scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+        """Every sequence's new queries (query [1, H, T, D]) over its blocks -> [T, H, D].
+
+        sliding_window: the layer's window W (each query sees its last W positions), or None for full attention.
+        """
 
 
 class ReferenceBackend(AttentionBackend):
@@ -93,10 +108,12 @@ class ReferenceBackend(AttentionBackend):
     def build_metadata(self, batch, block_size, device) -> AttentionMetadata:
         return AttentionMetadata(batch.query_lens, batch.context_lens, batch.block_tables)
 
-    def forward(self, storage, layer_idx, query, metadata, scaling) -> torch.Tensor:
+    def forward(self, storage, layer_idx, query, metadata, scaling, sliding_window=None) -> torch.Tensor:
+        sliding_window = check_sliding_window(sliding_window)
         outs, start = [], 0
         for q_len, seq_len, table in zip(metadata.query_lens, metadata.context_lens, metadata.block_tables):
-            outs.append(attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table, seq_len, scaling))
+            outs.append(attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table, seq_len, scaling,
+                                        sliding_window))
             start += q_len
         return torch.cat(outs, dim=0)
 
@@ -109,6 +126,27 @@ class TorchMetadata(AttentionMetadata):
     decode_rows: torch.Tensor | None = None                 # [B] their rows among the pass's T tokens
     slot_index: torch.Tensor | None = None                  # [B, Lmax] int64: pool slot of each position (0: padding)
     padding_mask: torch.Tensor | None = None                # [B, Lmax] bool: True past each sequence's end
+    block_size: int = 0
+    # Per sliding window W, built by its first layer: (slot index, mask) [B, min(Lmax, W)] over each decode's
+    # last W positions only, so the slots of blocks the window has left are never gathered.
+    window_slots: dict = field(default_factory=dict)
+
+
+def decode_slots(tables: list[list[int]], lens: list[int], block_size: int, sliding_window: int | None = None):
+    """Pool slots of each decode's visible positions, padded: (index int64, mask bool) [B, L], mask True at padding.
+
+    Row b covers positions max(0, lens[b] - W) .. lens[b] - 1 (all of them when sliding_window is None);
+    padding points at slot 0 and is masked.
+    """
+    lens_t = torch.tensor(lens)
+    first = torch.zeros_like(lens_t) if sliding_window is None else (lens_t - sliding_window).clamp_min(0)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)   # [B, max blocks]
+    positions = first[:, None] + torch.arange(int((lens_t - first).max()))[None, :]          # [B, L]
+    mask = positions >= lens_t[:, None]
+    positions = positions.masked_fill(mask, 0)
+    index = padded.gather(1, positions // block_size) * block_size + positions % block_size
+    return index.masked_fill(mask, 0), mask
 
 
 class TorchBackend(AttentionBackend):
@@ -124,24 +162,34 @@ class TorchBackend(AttentionBackend):
                 rows.append(start)
                 metadata.decode_seqs.append(i)
             start += q_len
+        metadata.block_size = block_size
         if not rows:
             return metadata
-        lens = torch.tensor([batch.context_lens[i] for i in metadata.decode_seqs])
-        tables = [batch.block_tables[i] for i in metadata.decode_seqs]
-        width = max(map(len, tables))
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)   # [B, max blocks]
-        positions = torch.arange(int(lens.max()))
-        mask = positions[None, :] >= lens[:, None]                                             # [B, Lmax]
-        index = padded[:, positions // block_size] * block_size + positions % block_size
+        index, mask = decode_slots([batch.block_tables[i] for i in metadata.decode_seqs],
+                                   [batch.context_lens[i] for i in metadata.decode_seqs], block_size)
         metadata.decode_rows = torch.tensor(rows, device=device)
-        metadata.slot_index = index.masked_fill(mask, 0).to(device)
+        metadata.slot_index = index.to(device)
         metadata.padding_mask = mask.to(device)
         return metadata
 
-    def forward(self, storage, layer_idx, query, metadata: TorchMetadata, scaling) -> torch.Tensor:
+    @staticmethod
+    def decode_inputs(metadata: TorchMetadata, sliding_window: int | None = None):
+        """(slot index, mask) [B, L] of the decodes for a layer with this window, built once per pass and window."""
+        if sliding_window is None:
+            return metadata.slot_index, metadata.padding_mask
+        if sliding_window not in metadata.window_slots:
+            index, mask = decode_slots([metadata.block_tables[i] for i in metadata.decode_seqs],
+                                       [metadata.context_lens[i] for i in metadata.decode_seqs], metadata.block_size,
+                                       sliding_window)
+            device = metadata.decode_rows.device
+            metadata.window_slots[sliding_window] = index.to(device), mask.to(device)
+        return metadata.window_slots[sliding_window]
+
+    def forward(self, storage, layer_idx, query, metadata: TorchMetadata, scaling, sliding_window=None) -> torch.Tensor:
+        sliding_window = check_sliding_window(sliding_window)
         q_all = query[0].transpose(0, 1)  # [T, H, D]
         if len(metadata.decode_seqs) == len(metadata.query_lens):  # decodes only: no prefill to attend
-            return self.decode(storage, layer_idx, q_all, metadata, scaling)
+            return self.decode(storage, layer_idx, q_all, metadata, scaling, sliding_window)
         out = torch.empty_like(q_all)
         decoding = set(metadata.decode_seqs)
         start = 0
@@ -149,18 +197,19 @@ class TorchBackend(AttentionBackend):
                                                          metadata.block_tables)):
             if i not in decoding:
                 out[start:start + q_len] = attend_sequence(storage, layer_idx, query[0, :, start:start + q_len], table,
-                                                           seq_len, scaling)
+                                                           seq_len, scaling, sliding_window)
             start += q_len
         if decoding:
-            out[metadata.decode_rows] = self.decode(storage, layer_idx, q_all[metadata.decode_rows], metadata, scaling)
+            out[metadata.decode_rows] = self.decode(storage, layer_idx, q_all[metadata.decode_rows], metadata, scaling,
+                                                    sliding_window)
         return out
 
-    def decode(self, storage, layer_idx, q, metadata: TorchMetadata, scaling) -> torch.Tensor:
-        """q [B, H, D] of the decodes -> [B, H, D]."""
-        index = metadata.slot_index
-        k, v = storage.gather_slots(layer_idx, index.reshape(-1), q.dtype)  # [B * Lmax, Hkv, D] each
+    def decode(self, storage, layer_idx, q, metadata: TorchMetadata, scaling, sliding_window=None) -> torch.Tensor:
+        """q [B, H, D] of the decodes -> [B, H, D]; each sees its last sliding_window positions (None: all)."""
+        index, mask = self.decode_inputs(metadata, sliding_window)
+        k, v = storage.gather_slots(layer_idx, index.reshape(-1), q.dtype)  # [B * L, Hkv, D] each
         shape = (*index.shape, *k.shape[1:])
-        return batched_decode_attention(q, k.view(shape), v.view(shape), metadata.padding_mask, scaling)
+        return batched_decode_attention(q, k.view(shape), v.view(shape), mask, scaling)
 
 
 @dataclass(slots=True)
@@ -172,13 +221,20 @@ class TritonMetadata(AttentionMetadata):
     seq_lens: torch.Tensor | None = None            # [num_seqs] int32
     decode_only: bool = False
     max_seq_len: int = 0
-    # Settled by the first layer (every layer has the same shapes): the cache write's inputs checked, the
-    # validated attention shape and the split-KV plan.
+    # Settled by the first layer (every layer has the same shapes): the cache write's inputs checked.
     cache_write_checked: bool = False
-    shape: object = None
+    # Settled by the first layer of each sliding window (None: full attention): its validated shape and split plan.
+    plans: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TritonPlan:
+    """How a pass's layers of one sliding window launch: the validated shape, and split-KV or not."""
+
+    shape: object
     split_kv: bool = False
     num_splits: int = 1
-    workspace: tuple | None = None
+    workspace: tuple | None = None   # split-KV scratch shared by the layers of this window
 
 
 class TritonBackend(AttentionBackend):
@@ -223,36 +279,41 @@ class TritonBackend(AttentionBackend):
             return
         kernels.cache_write.launch_reshape_and_cache(key, value, k_pool, v_pool, slot_mapping)
 
-    def forward(self, storage, layer_idx, query, metadata: TritonMetadata, scaling) -> torch.Tensor:
+    def forward(self, storage, layer_idx, query, metadata: TritonMetadata, scaling,
+                sliding_window=None) -> torch.Tensor:
         # Imported here: importing kvlab.kernels switches Triton to its interpreter on a machine without CUDA.
         from kvlab import kernels
+
+        sliding_window = check_sliding_window(sliding_window)
 
         q = query[0].transpose(0, 1)  # [T, H, D], head_dim still contiguous
         k_pool, v_pool, k_scale, v_scale = storage.kernel_inputs(layer_idx)
         tables, seq_lens, starts = metadata.block_table_tensor, metadata.seq_lens, metadata.query_start_loc
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if metadata.shape is None:  # the first layer: later layers have the same shapes and skip the checks
+        plan = metadata.plans.get(sliding_window)
+        if plan is None:  # the window's first layer: later layers of that window have the same shapes
             num_splits = 1
             if metadata.decode_only:
-                num_splits = kernels.choose_num_splits(q.shape[0], k_pool.shape[2], metadata.max_seq_len,
+                attended = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len,
+                                                                                   sliding_window)
+                num_splits = kernels.choose_num_splits(q.shape[0], k_pool.shape[2], attended,
                                                        kernels.num_sms(q.device))
-            metadata.split_kv = num_splits > 1
-            if metadata.split_kv:
-                metadata.shape = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, None,
-                                                                         scaling, k_scale, v_scale)
-                _, metadata.num_splits = kernels.split_plan(metadata.shape.max_seq_len, num_splits)
-                # Scratch shared by the step's layers.
-                metadata.workspace = kernels.allocate_split_workspace(
-                    metadata.shape.num_seqs, metadata.shape.num_heads, metadata.num_splits, metadata.shape.head_dim,
-                    q.device)
+            if num_splits > 1:
+                shape = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, None, scaling,
+                                                                k_scale, v_scale, sliding_window)
+                _, num_splits = kernels.split_plan(kernels.split_kv.attended_len(shape), num_splits)
+                workspace = kernels.allocate_split_workspace(shape.num_seqs, shape.num_heads, num_splits,
+                                                             shape.head_dim, q.device)
+                plan = TritonPlan(shape, True, num_splits, workspace)
             else:
-                metadata.shape = kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
-                                                                         scaling, k_scale, v_scale)
-        if metadata.split_kv:
-            return kernels.launch_paged_decode_split_kv(metadata.shape, q, k_pool, v_pool, tables, seq_lens, out,
-                                                        metadata.num_splits, workspace=metadata.workspace,
-                                                        k_scale=k_scale, v_scale=v_scale)
-        return kernels.launch_unified_attention(metadata.shape, q, k_pool, v_pool, tables, seq_lens, starts, out,
+                plan = TritonPlan(kernels.validate_paged_attention_inputs(q, k_pool, v_pool, tables, seq_lens, starts,
+                                                                          scaling, k_scale, v_scale, sliding_window))
+            metadata.plans[sliding_window] = plan
+        if plan.split_kv:
+            return kernels.launch_paged_decode_split_kv(plan.shape, q, k_pool, v_pool, tables, seq_lens, out,
+                                                        plan.num_splits, workspace=plan.workspace, k_scale=k_scale,
+                                                        v_scale=v_scale)
+        return kernels.launch_unified_attention(plan.shape, q, k_pool, v_pool, tables, seq_lens, starts, out,
                                                 k_scale=k_scale, v_scale=v_scale)
 
 

@@ -12,7 +12,9 @@
     load_counter       the bytes a kernel requests, counted in the interpreter
     aot                compilation for a GPU that is not here (python -m kvlab.kernels.aot)
 
-The pools may also be int8 or float8_e4m3fn (an 8-bit PagedKVCache) with k_scale and v_scale.
+The pools may also be int8 or float8_e4m3fn (an 8-bit PagedKVCache) with k_scale and v_scale. Every attention
+kernel and reference takes a sliding_window (None: full attention; W: a hybrid model's windowed layer, each query
+seeing its last W positions), and never reads a table entry wholly before every query's window.
 """
 
 from .cache_write import reshape_and_cache

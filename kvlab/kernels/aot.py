@@ -131,11 +131,13 @@ def _jit(kernel) -> JITFunction:
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAULT_TILE, kv_dtype=None):
+def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAULT_TILE, kv_dtype=None,
+                sliding: bool = False):
     """(kernel, signature, constexprs, num_warps) for the kernels, as the launchers would pass them.
 
     kv_dtype None: the pools hold dtype, the three kernels. "int8" or "fp8": quantized pools read with fp32
-    scales, the unified and split-KV kernels only (the reduce kernel never reads the pools).
+    scales, the unified and split-KV kernels only (the reduce kernel never reads the pools). sliding: the
+    sliding-window variants (SLIDING=True) of the attention kernels.
     """
     head_dim_pad = triton.next_power_of_2(head_dim)
     quantized = kv_dtype is not None
@@ -149,22 +151,24 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAU
     block_q, block_m = ua.block_q_for(queries_per_kv)
     unified_consts = {"QUERIES_PER_KV": queries_per_kv, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                       "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size,
-                      "TILE": tile, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
+                      "TILE": tile, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "SLIDING": sliding}
     if not quantized:
         unified_consts.update(k_scale_ptr=None, v_scale_ptr=None)
     unified = {"out_ptr": io, "q_ptr": io, "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32",
-               "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32", "num_seqs": "i32",
+               "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32", "sliding_window": "i32",
+               "num_seqs": "i32",
                "num_kv_heads": "i32", "stride_q_tok": "i32", "stride_q_head": "i32", "stride_out_tok": "i32",
                "stride_out_head": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32",
                "stride_cache_head": "i32", "stride_table_seq": "i32"}
     split = {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "q_ptr": io,
              "k_cache_ptr": kv, "v_cache_ptr": kv, **scales, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "scale": "fp32", "tokens_per_split": "i32", "num_heads": "i32", "stride_q_seq": "i32",
+             "scale": "fp32", "tokens_per_split": "i32", "sliding_window": "i32", "num_heads": "i32",
+             "stride_q_seq": "i32",
              "stride_q_head": "i32", "stride_cache_block": "i32", "stride_cache_slot": "i32",
              "stride_cache_head": "i32", "stride_table_seq": "i32"}
     split_consts = {"QUERIES_PER_KV": queries_per_kv, "BLOCK_M": block_m, "HEAD_DIM": head_dim,
                     "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size, "TILE": tile,
-                    "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32"}
+                    "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "SLIDING": sliding}
     if not quantized:
         split_consts.update(k_scale_ptr=None, v_scale_ptr=None)
     unified_warps = ua.num_warps_for(block_m, head_dim_pad, tile)
@@ -173,9 +177,9 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAU
     if quantized:
         return kernels
     reduce = {"out_ptr": io, "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32",
-              "seq_lens_ptr": "*i32", "tokens_per_split": "i32", "num_splits": "i32",
+              "seq_lens_ptr": "*i32", "tokens_per_split": "i32", "sliding_window": "i32", "num_splits": "i32",
               "stride_out_seq": "i32", "stride_out_head": "i32"}
-    reduce_consts = {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "NUM_SPLITS_PAD": 16}
+    reduce_consts = {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "NUM_SPLITS_PAD": 16, "SLIDING": sliding}
     num_kv_heads = 8  # Llama-3-8B's, as queries_per_kv above
     write = {"key_ptr": io, "value_ptr": io, "k_cache_ptr": io, "v_cache_ptr": io, "slot_mapping_ptr": "*i64",
              "stride_key_tok": "i32", "stride_key_head": "i32", "stride_value_tok": "i32", "stride_value_head": "i32",
@@ -187,16 +191,16 @@ def _signatures(dtype: str, head_dim: int, block_size: int, tile: int = ua.DEFAU
 
 
 def compile_kernels(sm: int, head_dim: int = 128, block_size: int = 16, dtypes=None, out_dir=None,
-                    kv_dtypes=None, kv_q_dtype: str = "fp16") -> list[CompiledKernel]:
+                    kv_dtypes=None, kv_q_dtype: str = "fp16", sliding: bool = False) -> list[CompiledKernel]:
     """Compile the decode, split-KV and reduce kernels for GPUTarget("cuda", sm, 32) in each dtype, then the
     decode and split-KV kernels on each quantized pool kind (kv_dtypes, default kv_dtypes_for(sm)) with q in
-    kv_q_dtype."""
+    kv_q_dtype; sliding: their sliding-window variants."""
     variants = [(dtype, None) for dtype in (dtypes or dtypes_for(sm))]
     variants += [(kv_q_dtype, kv_dtype) for kv_dtype in (kv_dtypes_for(sm) if kv_dtypes is None else kv_dtypes)]
     results = []
     for dtype, kv_dtype in variants:
         for kernel, signature, constexprs, num_warps in _signatures(dtype, head_dim, block_size, kv_dtype=kv_dtype,
-                                                                    tile=ua.tile_for(sm=sm)):
+                                                                    tile=ua.tile_for(sm=sm), sliding=sliding):
             fn = _jit(kernel)
             signature = dict(signature, **{name: "constexpr" for name in constexprs})
             # What the JIT infers at run time from real arguments: pointers 16-byte aligned (torch allocates
@@ -237,6 +241,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-dtypes", nargs="*", choices=list(KV_DTYPES),
                         help="quantized pools (none if the flag has no value); default: int8, and fp8 from sm_89")
     parser.add_argument("--kv-q-dtype", choices=DTYPES, default="fp16", help="q and output dtype with quantized pools")
+    parser.add_argument("--sliding", action="store_true", help="the sliding-window variants of the attention kernels")
     parser.add_argument("--out", help="write each kernel's .ptx and .cubin here")
     parser.add_argument("--json", action="store_true", help="one JSON object per compiled kernel")
     args = parser.parse_args(argv)
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
           f"(kvlab.kernels imported with the interpreter {mode})", flush=True)
     for sm in args.sm:
         for result in compile_kernels(sm, args.head_dim, args.block_size, args.dtypes, args.out, args.kv_dtypes,
-                                      args.kv_q_dtype):
+                                      args.kv_q_dtype, args.sliding):
             if args.json:
                 print(json.dumps(asdict(result)), flush=True)
             else:

@@ -6,11 +6,20 @@ kvlab.cache.paged_cache.paged_attention: gather the sequence's keys and values t
 then softmax(q k^T * scale) v in fp32, on the kernels' tensor layout.
 Quantized pools (int8 or fp8, Chapter 11) are dequantised right after the gather with
 kvlab.quantization.dequantize: stored * the scale of each (block, KV head).
+
+Sliding-window attention (sliding_window = W; None is full attention): the query at position p sees the
+keys at positions p - W + 1 .. p, W of them counting itself. This is transformers' convention, read in
+transformers/masking_utils.py: sliding_window_causal_mask_function(W) is sliding_window_overlay (key
+kept when kv_idx > q_idx - W) and-ed with causal_mask_function (kv_idx <= q_idx); its flash-attention
+path passes window_size (W - 1, W - 1) (modeling_flash_attention_utils.py) for the same set. A block
+whose tokens all lie before the first new token's window is never gathered: vLLM frees such blocks and
+puts a placeholder in the block table, so those entries may hold anything.
 """
 
 import torch
 
 from kvlab.quantization import dequantize
+from kvlab.validation import check_sliding_window
 
 
 def gather_blocks(cache, blocks, scales=None):
@@ -23,12 +32,15 @@ def gather_blocks(cache, blocks, scales=None):
 
 
 def unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
-                              k_scale=None, v_scale=None):
+                              k_scale=None, v_scale=None, sliding_window=None):
     """A ragged step's new tokens attending causally over their sequences, gathered block by block, in fp32.
 
     q: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs], the new
-    tokens included; pools and scales as paged_attention_decode_reference. Returns q's shape and dtype.
+    tokens included; pools and scales as paged_attention_decode_reference. sliding_window: None, or W (each
+    query sees its last W positions; table entries wholly before every query's window are not read).
+    Returns q's shape and dtype.
     """
+    sliding_window = check_sliding_window(sliding_window)
     if (k_scale is None) != (v_scale is None):
         raise ValueError("give both k_scale and v_scale (8-bit pools) or neither")
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -40,35 +52,41 @@ def unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, que
         seq_len, q_len = int(seq_lens[i]), starts[i + 1] - starts[i]
         if q_len == 0:
             continue
-        blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = gather_blocks(k_cache, blocks, k_scale).flatten(0, 1)[:seq_len]
-        v = gather_blocks(v_cache, blocks, v_scale).flatten(0, 1)[:seq_len]
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)        # [seq_len, num_heads, head_dim]
+        # The first new token's window starts lowest: blocks wholly before it are skipped (first is a block start).
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size * block_size
+        blocks = block_tables[i, first // block_size: -(-seq_len // block_size)].long()
+        k = gather_blocks(k_cache, blocks, k_scale).flatten(0, 1)[:seq_len - first]
+        v = gather_blocks(v_cache, blocks, v_scale).flatten(0, 1)[:seq_len - first]
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)        # [seq_len - first, num_heads, head_dim]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         queries = q[starts[i]:starts[i + 1]].float()                       # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,thd->hqt", queries, k) * scale          # [num_heads, q_len, seq_len]
+        scores = torch.einsum("qhd,thd->hqt", queries, k) * scale          # [num_heads, q_len, seq_len - first]
         query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        key_pos = torch.arange(first, seq_len)[None, :]
+        hidden = key_pos > query_pos
+        if sliding_window is not None:
+            hidden |= key_pos <= query_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out
 
 
 def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
-                                     v_scale=None):
+                                     v_scale=None, sliding_window=None):
     """Each sequence's one query attending over its seq_len tokens, gathered through its block table.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs]. Returns q's shape and dtype.
     int8 / fp8 pools need k_scale, v_scale [num_blocks, num_kv_heads]: real value = stored * scale.
     The decode is the ragged step's one-token case, so this is unified_attention_reference with
-    query_start_loc = 0, 1, ..., num_seqs.
+    query_start_loc = 0, 1, ..., num_seqs. sliding_window: None (full) or W, the last W positions.
     """
     if k_scale is None and k_cache.element_size() == 1:
         raise ValueError(f"{str(k_cache.dtype).removeprefix('torch.')} pools hold scaled values: "
                          f"pass k_scale and v_scale")
     query_start_loc = torch.arange(q.shape[0] + 1)
     return unified_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale,
-                                       v_scale)
+                                       v_scale, sliding_window)
 
 
 def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping):

@@ -16,6 +16,12 @@ the rows' scores are one `tl.dot` [BLOCK_M, HEAD_DIM] x [HEAD_DIM, TILE]. tl.dot
 so a small group is padded to 16 rows (vLLM pads the query group the same way): with 8 query heads per
 KV head a program takes 2 tokens, with 1 (MHA) 16 tokens. TILE positions are loaded at a time, across
 block boundaries: a tile may cover several blocks or part of one.
+
+Sliding-window layers (sliding_window = W, transformers' convention: the query at position p sees keys
+p - W + 1 .. p; see kvlab.kernels.reference) add a lower bound to the mask, and each program's loop starts
+at the first key its lowest row can see, so blocks wholly before every row's window are never loaded:
+vLLM frees them and leaves a placeholder (its null block) in the table. Full attention (None) compiles
+without either: SLIDING is a compile-time flag.
 """
 
 import torch
@@ -45,10 +51,11 @@ def attend_tiles(
     query_pos,            # [BLOCK_M] each row's position: it sees keys at or before it (causal)
     row_ok,               # [BLOCK_M] rows that are real (token, head) pairs
     scale,
+    sliding_window,       # W: a row also needs position > query_pos - W (read only when SLIDING)
     stride_cache_block, stride_cache_slot, stride_cache_head,
     dims, dim_ok,         # [HEAD_DIM_PAD] head-dim offsets and which of them are real
     BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Each row's running max m_i and sum l_i [BLOCK_M] and unnormalised output acc [BLOCK_M, HEAD_DIM_PAD]."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of each row's scores (base 2)
@@ -81,6 +88,8 @@ def attend_tiles(
             s = tl.dot(q, tl.trans(k))
         s = s * (scale * 1.4426950408889634)   # base 2: exp(x) == exp2(x * log2(e)), exp2 is the native op
         visible = row_ok[:, None] & in_seq[None, :] & (pos[None, :] <= query_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > query_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen nothing yet (all -inf) keeps m = -inf; subtract 0 there, not -inf, so no NaN.
@@ -108,6 +117,7 @@ def unified_attention_kernel(
     seq_lens_ptr,         # [num_seqs] int32: tokens of each sequence in the pool, the new ones included
     query_start_loc_ptr,  # [num_seqs + 1] int32: where each sequence's new tokens start in q
     scale,                # softmax scale
+    sliding_window,       # W, the keys each query sees counting itself; read only when SLIDING
     num_seqs,
     num_kv_heads,
     stride_q_tok, stride_q_head, stride_out_tok, stride_out_head,
@@ -121,6 +131,7 @@ def unified_attention_kernel(
     TILE: tl.constexpr,            # key positions per loop iteration, independent of BLOCK_SIZE
     QUANTIZED: tl.constexpr,
     DOT_FP32: tl.constexpr,        # True: the dots in fp32 ("ieee"); False: in q's 16-bit dtype
+    SLIDING: tl.constexpr,         # True: a sliding-window layer; False: full attention, no window code at all
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,10 +168,15 @@ def unified_attention_kernel(
 
         # Causal: this block's last token sees positions up to its own, so later keys are never loaded.
         kv_end = tl.minimum(seq_len, context + (local + 1) * BLOCK_Q)
+        kv_start = 0
+        if SLIDING:
+            # The block's first token has the lowest window: keys before it are seen by no row, and their
+            # table entries may be a freed block's placeholder, so the loop starts here and never loads them.
+            kv_start = tl.maximum(context + local * BLOCK_Q - sliding_window + 1, 0)
         m_i, l_i, acc = attend_tiles(
-            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, 0, kv_end,
-            query_pos, row_ok, scale, stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_ok,
-            BLOCK_M, HEAD_DIM_PAD, BLOCK_SIZE, TILE, QUANTIZED, DOT_FP32)
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, kv_head, num_kv_heads, kv_start,
+            kv_end, query_pos, row_ok, scale, sliding_window, stride_cache_block, stride_cache_slot,
+            stride_cache_head, dims, dim_ok, BLOCK_M, HEAD_DIM_PAD, BLOCK_SIZE, TILE, QUANTIZED, DOT_FP32, SLIDING)
         # A real row saw its own position, so l_i >= 1; padding rows are never stored.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_offsets = (q_start + tok)[:, None] * stride_out_tok + head[:, None] * stride_out_head + dims[None, :]
@@ -187,7 +203,8 @@ def block_q_for(queries_per_kv: int) -> tuple[int, int]:
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *, num_tokens, num_seqs, num_heads,
-            num_kv_heads, head_dim, block_size, scale, tile, k_scale, v_scale, num_warps=None, num_stages=None):
+            num_kv_heads, head_dim, block_size, scale, tile, k_scale, v_scale, num_warps=None, num_stages=None,
+            sliding_window=None):
     quantized = is_quantized(k_cache, k_scale, v_scale)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -205,12 +222,13 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *
     with triton_language_as(interpreted=RUNS_IN_INTERPRETER):
         unified_attention_kernel[grid](
             out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, scale,
-            num_seqs, num_kv_heads,
+            sliding_window or 0, num_seqs, num_kv_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile, QUANTIZED=quantized,
-            DOT_FP32=dot_fp32, num_warps=num_warps or num_warps_for(block_m, head_dim_pad, tile),
+            DOT_FP32=dot_fp32, SLIDING=sliding_window is not None,
+            num_warps=num_warps or num_warps_for(block_m, head_dim_pad, tile),
             **({"num_stages": num_stages} if num_stages else {}),
         )
     return out
@@ -226,25 +244,28 @@ def launch_unified_attention(shape: PagedAttentionShape, q, k_cache, v_cache, bl
     """Launch the unified kernel on validated inputs (shape from validate_paged_attention_inputs); no host sync.
 
     tile, num_warps, num_stages: None for the defaults (tile_for, num_warps_for, Triton's); the benchmark's
-    autotune passes others.
+    autotune passes others. The sliding window is the shape's: the one the table entries were validated for.
     """
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_tokens=shape.num_tokens,
                    num_seqs=shape.num_seqs, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                    head_dim=shape.head_dim, block_size=shape.block_size, scale=shape.scale, tile=tile,
-                   k_scale=k_scale, v_scale=v_scale, num_warps=num_warps, num_stages=num_stages)
+                   k_scale=k_scale, v_scale=v_scale, num_warps=num_warps, num_stages=num_stages,
+                   sliding_window=shape.sliding_window)
 
 
 def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None, k_scale=None,
-                      v_scale=None):
+                      v_scale=None, sliding_window=None):
     """Causal attention of a ragged step's new tokens over their sequences' paged K/V: q's shape and dtype out.
 
     q: [num_tokens, num_heads, head_dim], each sequence's new tokens end to end; query_start_loc int32
     [num_seqs + 1]; seq_lens int32 [num_seqs], the new tokens included and already written to the pools;
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [num_seqs, max_blocks].
     int8 / float8_e4m3fn pools take k_scale, v_scale float32 [num_blocks, num_kv_heads].
+    sliding_window: None for full attention, or W: each query sees its last W positions, and table entries
+    wholly before every query's window are never read (they may hold a freed block's placeholder).
     """
     shape = validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                            k_scale, v_scale)
+                                            k_scale, v_scale, sliding_window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return launch_unified_attention(shape, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                                     k_scale=k_scale, v_scale=v_scale)
@@ -261,16 +282,18 @@ def launch_paged_decode(shape: PagedAttentionShape, q, k_cache, v_cache, block_t
                                     k_scale, v_scale)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None,
+                           sliding_window=None):
     """Attention of each sequence's one new query over its seq_len cached tokens, read through its block table.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]. Returns q's shape and dtype.
     int8 / float8_e4m3fn pools: k_scale, v_scale float32 [num_blocks, num_kv_heads] (real value = stored * scale),
     e.g. an 8-bit PagedKVCache's k_scales[layer] and v_scales[layer]; None for unquantized pools.
+    sliding_window: None (full attention) or W, each query seeing its last W positions.
     """
     shape = validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, None, scale, k_scale,
-                                            v_scale)
+                                            v_scale, sliding_window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return launch_paged_decode(shape, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale=k_scale,
                                v_scale=v_scale)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.validation import check_sliding_window
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # 256 x a tile of 64 fp32 values is as much as a program should hold
 
@@ -36,6 +38,7 @@ class PagedAttentionShape:
     max_seq_len: int      # longest sequence in the batch (0 for an empty batch)
     scale: float
     quantized: bool       # int8 / fp8 pools, read with k_scale and v_scale
+    sliding_window: int | None = None   # W: each query sees its last W positions; None: full attention
 
 
 def quantized_cache_dtypes() -> tuple[torch.dtype, ...]:
@@ -155,10 +158,12 @@ def resolve_scale(scale, head_dim: int) -> float:
     return scale
 
 
-def check_tables(block_tables, lens, block_size: int, num_blocks: int) -> None:
+def check_tables(block_tables, lens, block_size: int, num_blocks: int, first_seen=None) -> None:
     """Each sequence fits its table row, and every entry it uses names a block of the pool (lens: int64 [num_seqs]).
 
-    Only the entries a sequence uses must name real blocks; the rest of its row may hold anything.
+    Only the entries a sequence uses must name real blocks; the rest of its row may hold anything. first_seen
+    (int64 [num_seqs], sliding windows): the lowest position any of its queries sees; entries of blocks wholly
+    before it are not used either (vLLM puts its null block there once it frees them).
     """
     max_blocks_per_seq = block_tables.shape[1]
     capacity = max_blocks_per_seq * block_size
@@ -167,18 +172,22 @@ def check_tables(block_tables, lens, block_size: int, num_blocks: int) -> None:
         raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but a block table row holds only {max_blocks_per_seq} "
                          f"blocks of {block_size} = {capacity} tokens")
     blocks_used = (lens + block_size - 1) // block_size                         # [num_seqs]
-    used = torch.arange(max_blocks_per_seq, device=lens.device)[None, :] \
-        < blocks_used[:, None]                                                  # [num_seqs, max_blocks]
+    entry = torch.arange(max_blocks_per_seq, device=lens.device)[None, :]
+    used = entry < blocks_used[:, None]                                         # [num_seqs, max_blocks]
+    if first_seen is not None:
+        used &= entry >= (first_seen // block_size)[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         i, j = (int(x) for x in bad.nonzero()[0])
+        uses = f"its first {int(blocks_used[i])} entries" if first_seen is None else (
+            f"entries {int(first_seen[i]) // block_size} to {int(blocks_used[i]) - 1}, the blocks its queries' "
+            f"windows reach")
         raise ValueError(f"block_tables[{i}, {j}] is {int(block_tables[i, j])}, outside the pool of {num_blocks} "
-                         f"blocks (sequence {i} has {int(lens[i])} tokens and uses its first "
-                         f"{int(blocks_used[i])} entries)")
+                         f"blocks (sequence {i} has {int(lens[i])} tokens and uses {uses})")
 
 
 def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
-                                    k_scale=None, v_scale=None) -> PagedAttentionShape:
+                                    k_scale=None, v_scale=None, sliding_window=None) -> PagedAttentionShape:
     """Check a call's inputs without launching anything; raise ValueError naming what is wrong.
 
     q: [num_tokens, num_heads, head_dim], each sequence's new tokens end to end; k_cache, v_cache:
@@ -186,8 +195,10 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
     seq_lens int32 [num_seqs], the new tokens included; query_start_loc int32 [num_seqs + 1], or None for a
     decode (q is then [num_seqs, num_heads, head_dim], one new token per sequence). Quantized pools (int8,
     or float8_e4m3fn where torch has it) also need k_scale and v_scale: float32 [num_blocks, num_kv_heads],
-    contiguous, positive and finite; q stays float32, float16 or bfloat16.
+    contiguous, positive and finite; q stays float32, float16 or bfloat16. sliding_window: None (full
+    attention) or a positive int W; table entries wholly before every query's window are then not checked.
     """
+    sliding_window = check_sliding_window(sliding_window)
     decode = query_start_loc is None
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
              ("seq_lens", seq_lens)) + (() if decode else (("query_start_loc", query_start_loc),))
@@ -221,8 +232,9 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
     quantized = k_cache.dtype in quantized_cache_dtypes()
     if num_seqs == 0:
         return PagedAttentionShape(num_tokens, 0, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-                                   max_blocks_per_seq, 0, scale, quantized)
+                                   max_blocks_per_seq, 0, scale, quantized, sliding_window)
     lens = seq_lens.long()
+    q_lens = torch.ones_like(lens)
     if decode:
         if (lens < 1).any():
             i = int((lens < 1).nonzero()[0, 0])
@@ -243,15 +255,18 @@ def validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens,
             i = int(short.nonzero()[0, 0])
             raise ValueError(f"seq_lens[{i}] is {int(lens[i])} but sequence {i} has {int(q_lens[i])} new tokens: "
                              f"seq_lens counts the tokens in the pool, the new ones included (at least 1)")
-    check_tables(block_tables, lens, block_size, num_blocks)
+    # A sequence's first new token sits at lens - q_lens and has the lowest window.
+    first_seen = None if sliding_window is None else (lens - q_lens - sliding_window + 1).clamp_min(0)
+    check_tables(block_tables, lens, block_size, num_blocks, first_seen)
     return PagedAttentionShape(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-                               max_blocks_per_seq, int(lens.max()), scale, quantized)
+                               max_blocks_per_seq, int(lens.max()), scale, quantized, sliding_window)
 
 
 def validate_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None,
-                                 v_scale=None) -> PagedAttentionShape:
+                                 v_scale=None, sliding_window=None) -> PagedAttentionShape:
     """validate_paged_attention_inputs for a decode: q [num_seqs, num_heads, head_dim], one new token per sequence."""
-    return validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, None, scale, k_scale, v_scale)
+    return validate_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, None, scale, k_scale, v_scale,
+                                           sliding_window)
 
 
 def is_quantized(k_cache, k_scale, v_scale) -> bool:
