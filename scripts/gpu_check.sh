@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GPU_TESTS=(tests/kernels/test_gpu.py tests/kernels/test_paged_attention_kernel.py
            tests/kernels/test_paged_attention_quantized.py tests/kernels/test_unified_attention.py
            tests/kernels/test_engine_kernel.py tests/kernels/test_cache_write.py tests/kernels/test_sliding_window.py
-           tests/engine/test_kv_cache_dtype.py)
+           tests/kernels/test_hybrid_kernel.py tests/engine/test_kv_cache_dtype.py)
 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
 tests_status=$?
 "$PY" benchmarks/paged_attention_gpu.py --quick "$@"

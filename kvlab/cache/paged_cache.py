@@ -158,14 +158,20 @@ class PagedKVCache:
         self.batch = batch
         self._metadata = self.attn_backend.build_metadata(batch, self.block_size, self.storage.device)
 
-    def attend(self, layer_idx, query, key, value, scaling):
-        """The runner hook: the backend stores this pass's K/V by slot, then each sequence attends ([1, T, H, D])."""
+    # Each backend masks a layer's window (kvlab.cache.attention_backends); this cache keeps every block, so a
+    # windowed layer computes the right attention without saving memory (HybridPagedCache saves it).
+    supports_sliding_window = True
+
+    def attend(self, layer_idx, query, key, value, scaling, sliding_window=None):
+        """The runner hook: the backend stores this pass's K/V by slot, then each sequence attends ([1, T, H, D]);
+        sliding_window: the layer's window, None for full attention."""
         batch = self.batch
         if batch is None:
             raise RuntimeError(f"call set_batch(...) before running the model on a {type(self).__name__}")
         self.attn_backend.do_kv_cache_update(self.storage, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1),
                                              self._slots, self._metadata)
-        return self.attn_backend.forward(self.storage, layer_idx, query, self._metadata, scaling)[None]
+        return self.attn_backend.forward(self.storage, layer_idx, query, self._metadata, scaling,
+                                         sliding_window=sliding_window)[None]
 
     def finish_pass(self) -> None:
         """After the model ran on set_batch's tokens: raise what the writes found wrong (8-bit pools: NaN or inf)."""

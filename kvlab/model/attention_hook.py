@@ -8,6 +8,9 @@ Chapter 1's naive one to the paged ones, plugs in here by providing one method:
     cache.attend(layer_idx, query, key, value, scaling) -> out
         query [1, H, T, D], key and value [1, Hkv, T, D] for the T tokens of this forward pass;
         out [1, T, H, D]: attention of those tokens over everything the cache holds.
+
+A sliding-window layer's call adds sliding_window=W (transformers passes each layer's window); only caches
+with supports_sliding_window = True receive it, the others are refused for such models.
 """
 
 from contextlib import contextmanager
@@ -26,7 +29,16 @@ def _kvlab_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             "the model runs with attn_implementation='kvlab' but no kv_cache was given; "
             "call it through kvlab.model.attention_hook.forward(model, input_ids, positions, cache)"
         )
-    return kv_cache.attend(module.layer_idx, query, key, value, scaling), None
+    window = kwargs.get("sliding_window")
+    if window is None:
+        return kv_cache.attend(module.layer_idx, query, key, value, scaling), None
+    # transformers hands a sliding-window layer its window (Mistral, Gemma 2/3, Qwen2, gpt-oss): a cache that
+    # cannot honour it would silently compute full attention, so it must say it can.
+    if not getattr(kv_cache, "supports_sliding_window", False):
+        raise ValueError(f"layer {module.layer_idx} attends over a sliding window of {window} tokens, but "
+                         f"{type(kv_cache).__name__} computes full attention only; use a PagedKVCache or a "
+                         f"HybridPagedCache (kvlab.cache)")
+    return kv_cache.attend(module.layer_idx, query, key, value, scaling, sliding_window=window), None
 
 
 AttentionInterface.register(ATTENTION_NAME, _kvlab_attention)
