@@ -80,9 +80,12 @@ class HybridPagedCache(PagedKVCache):
         if self.batches is None:
             raise RuntimeError("call set_batch([...one layout per group]) before running the model")
         expected = self.layer_window[layer_idx]
-        if sliding_window != expected:
+        # A windowed group gives back blocks by its window: the model's must be the same. A full group keeps every
+        # block, so any window the model masks is safe (vLLM's --disable-hybrid-kv-cache-manager keeps all layers so).
+        if expected is not None and sliding_window != expected:
             raise ValueError(f"layer {layer_idx}: the model attends with sliding_window={sliding_window}, but its "
-                             f"KV-cache group was built for {expected}; build the groups from this model's config")
+                             f"KV-cache group gives blocks back by a window of {expected}; build the groups from this "
+                             f"model's config")
         slots, metadata = self._per_group[self.layer_group[layer_idx]]
         self.attn_backend.do_kv_cache_update(self.storage, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1),
                                              slots, metadata)

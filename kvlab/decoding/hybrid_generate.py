@@ -9,6 +9,10 @@ blocks back as they leave the window, and each layer of the model reads through 
     gen = HybridGenerator(model, num_blocks=64, block_size=16, max_num_batched_tokens=64)
     outputs = gen.generate([prompt_ids, ...], max_new_tokens=32)      # one list of new token ids per prompt
     gen.peak_blocks                                                    # the most blocks the pool ever lent out
+    gen.peak_blocks * gen.bytes_per_block                              # ... in bytes, as vLLM lays the pool out
+
+disable_hybrid_kv_cache_manager=True (vLLM's flag) keeps every layer's blocks, as if all were full attention:
+the same outputs, and the memory a hybrid pool saves is the difference.
 """
 
 from collections import deque
@@ -44,11 +48,15 @@ class _Request:
         return len(self.output) >= self.max_new_tokens
 
 
-def hybrid_groups(model, block_size: int):
-    """The model's KV-cache groups (kvlab.core.kv_cache_interface) from its config's layer pattern."""
+def hybrid_groups(model, block_size: int, disable_hybrid_kv_cache_manager: bool = False):
+    """The model's KV-cache groups (kvlab.core.kv_cache_interface) from its config's layer pattern; with
+    disable_hybrid_kv_cache_manager (vLLM's flag of that name) every layer is kept as full attention, one group."""
     pattern = layer_pattern(model.config)
     shape = kv_shape(model.config)
-    specs = specs_from_layer_types(list(pattern.layer_types), shape["num_layers"], block_size, shape["num_kv_heads"],
+    types = list(pattern.layer_types)
+    if disable_hybrid_kv_cache_manager:
+        types = ["full_attention"] * len(types)
+    specs = specs_from_layer_types(types, shape["num_layers"], block_size, shape["num_kv_heads"],
                                    shape["head_dim"], sliding_window=pattern.sliding_window,
                                    dtype_bytes=torch.finfo(model.dtype).bits // 8)
     return group_layers(specs)
@@ -58,15 +66,19 @@ class HybridGenerator:
     """Runs a real hybrid model greedily over many requests whose K/V live in one pool of per-group block tables."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 64,
-                 enable_prefix_caching: bool = True, attention_backend: str = "reference"):
+                 enable_prefix_caching: bool = True, attention_backend: str = "reference",
+                 disable_hybrid_kv_cache_manager: bool = False):
         self.model = model
         self.block_size = check_positive_int("block_size", block_size)
         self.budget = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.groups = hybrid_groups(model, block_size)
+        self.groups = hybrid_groups(model, block_size, disable_hybrid_kv_cache_manager)
         self.coordinator = HybridKVCacheCoordinator(self.groups, num_blocks, enable_prefix_caching)
         self.cache = HybridPagedCache.for_model(model, self.groups, num_blocks, attention_backend=attention_backend)
+        # As vLLM lays the pool out, a block id spans one layer of each group's position: group_size layers' pages.
+        self.bytes_per_block = max(len(g.layer_ids) for g in self.groups) * self.groups[0].kv_cache_spec.page_size_bytes
         self.num_preemptions = 0
         self.peak_blocks = 0
+        self.peak_running = 0
         self.prefill_tokens_fed = 0
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -125,6 +137,7 @@ class HybridGenerator:
         if not scheduled:
             return
         self.peak_blocks = max(self.peak_blocks, kv.block_pool.num_used_blocks - 1)
+        self.peak_running = max(self.peak_running, len(running))
         layouts = []
         for g in range(len(self.groups)):
             chunks = [SequenceChunk(r.tokens[r.num_computed:r.num_computed + n], r.num_computed,

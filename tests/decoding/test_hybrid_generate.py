@@ -92,3 +92,15 @@ def test_groups_follow_the_models_layer_pattern(model):
 def test_a_cache_without_windows_refuses_a_windowed_model(model):
     with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens, but NaiveKVCache computes full"):
         forward(model, list(range(12)), list(range(12)), NaiveKVCache(model.config.num_hidden_layers))
+
+
+def test_disabling_the_hybrid_manager_keeps_every_block_and_changes_no_token(model):
+    on = HybridGenerator(model, num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    off = HybridGenerator(model, num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                          disable_hybrid_kv_cache_manager=True)
+    assert len(off.groups) == 1 and not isinstance(off.groups[0].kv_cache_spec, SlidingWindowSpec)
+    prompt = [list(range(40))]
+    assert on.generate(prompt, 24) == off.generate(prompt, 24), "where blocks live changes no token"
+    # A block id spans one layer per group position: compare bytes (Qwen2 here: 2 groups of 2 layers, or 1 of 4).
+    assert on.peak_blocks * on.bytes_per_block < off.peak_blocks * off.bytes_per_block, \
+        "freeing behind the window holds fewer bytes at the peak"
