@@ -37,6 +37,25 @@ def make_tiny_model(family: str, num_kv_heads: int = 2, seed: int = 0):
     return getattr(transformers, model_cls)(config).eval()
 
 
+def make_tiny_hybrid_model(family: str, window: int, seed: int = 0):
+    """A randomly initialised 4-layer model with sliding-window layers: "mistral" windows every layer, "qwen2"
+    layers 2-3 (use_sliding_window from max_window_layers on) and keeps 0-1 full."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=window,
+                                                                           head_dim=16))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True,
+                                                                       sliding_window=window, max_window_layers=2))
+    else:
+        raise ValueError(f"family is 'mistral' or 'qwen2', got {family!r}")
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The course's embedded model and tokenizer, loaded once per test session."""

@@ -9,9 +9,14 @@ in that group's blocks), and each layer reads and writes through its group's lay
     cache.set_batch([layout_of_group_0, layout_of_group_1, ...])
     forward(model, input_ids, positions, cache)       # layer i: group g(i)'s slots and tables, window W(i)
 
-As in vLLM, a block id names the same place in every layer of its group; kvlab gives each layer a pool of
-num_blocks blocks (vLLM shares one tensor between one layer of each group, since no block id is in two groups at
-once: the memory arithmetic of benchmarks/hybrid_memory.py counts that layout).
+The memory is laid out as vLLM lays it out (vllm/v1/worker/gpu_model_runner.py, which gives one tensor to one
+layer of each group): a block id names the same place in every layer of its group, and since the pool lends a
+block to one group at a time, the i-th layer of every group shares one pool tensor. A model with groups of G layers
+therefore holds G pools, not one per layer: a pool of num_blocks blocks costs G / num_layers of what an all-full
+cache of as many blocks costs, which is what lets the same bytes hold more blocks.
+
+    cache.num_layers     # G: the pool tensors (the largest group's layers)
+    cache.pool_index     # model layer -> its pool tensor
 """
 
 from collections.abc import Sequence
@@ -20,14 +25,20 @@ import torch
 
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import BatchLayout
-from kvlab.core.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+from kvlab.core.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    group_layers,
+    specs_from_layer_types,
+)
 
 
 class HybridPagedCache(PagedKVCache):
     """PagedKVCache whose layers read and write through their group's layout (set_batch takes one per group)."""
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_layers, num_blocks, num_kv_heads, head_dim,
-                 dtype=torch.float32, device="cpu", attention_backend: str = "reference"):
+                 dtype=torch.float32, device="cpu", attention_backend: str = "reference", kv_cache_dtype: str = "auto"):
         groups = list(kv_cache_groups)
         if not groups:
             raise ValueError("kv_cache_groups is empty: every layer needs a group")
@@ -36,9 +47,11 @@ class HybridPagedCache(PagedKVCache):
             raise ValueError(f"the groups' block sizes differ ({sorted(sizes)}): kvlab's pools take one block size")
         self.layer_group: dict[int, int] = {}
         self.layer_window: dict[int, int | None] = {}
+        self.pool_index: dict[int, int] = {}
         for g, group in enumerate(groups):
             spec = group.kv_cache_spec
-            for layer in group.layer_ids:
+            for position, layer in enumerate(group.layer_ids):
+                self.pool_index[layer] = position
                 if layer in self.layer_group:
                     raise ValueError(f"layer {layer} is in groups {self.layer_group[layer]} and {g}")
                 if not 0 <= layer < num_layers:
@@ -48,8 +61,8 @@ class HybridPagedCache(PagedKVCache):
         if len(self.layer_group) != num_layers:
             missing = sorted(set(range(num_layers)) - set(self.layer_group))
             raise ValueError(f"layers {missing} are in no group")
-        super().__init__(num_layers, num_blocks, sizes.pop(), num_kv_heads, head_dim, dtype, device,
-                         attention_backend=attention_backend)
+        super().__init__(max(len(g.layer_ids) for g in groups), num_blocks, sizes.pop(), num_kv_heads, head_dim,
+                         dtype, device, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend)
         self.kv_cache_groups = groups
         self.batches: list[BatchLayout] | None = None
 
@@ -87,7 +100,34 @@ class HybridPagedCache(PagedKVCache):
                              f"KV-cache group gives blocks back by a window of {expected}; build the groups from this "
                              f"model's config")
         slots, metadata = self._per_group[self.layer_group[layer_idx]]
-        self.attn_backend.do_kv_cache_update(self.storage, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1),
+        pool = self.pool_index[layer_idx]
+        self.attn_backend.do_kv_cache_update(self.storage, pool, key[0].transpose(0, 1), value[0].transpose(0, 1),
                                              slots, metadata)
-        return self.attn_backend.forward(self.storage, layer_idx, query, metadata, scaling,
+        return self.attn_backend.forward(self.storage, pool, query, metadata, scaling,
                                          sliding_window=sliding_window)[None]
+
+
+def hybrid_groups(model, block_size: int, disable_hybrid_kv_cache_manager: bool = False) -> list[KVCacheGroupSpec]:
+    """A transformers model's KV-cache groups, from its config's layer pattern (kvlab.analysis.hybrid.layer_pattern);
+    with disable_hybrid_kv_cache_manager (vLLM's flag) every layer is kept as full attention, in one group."""
+    from kvlab.analysis.hybrid import FULL, LINEAR, layer_pattern
+    from kvlab.analysis.kv_size import kv_shape
+
+    pattern = layer_pattern(model.config)
+    if LINEAR in pattern.layer_types:
+        raise ValueError(f"{type(model).__name__} has linear-attention (Mamba-like) layers, whose state kvlab's "
+                         f"caches do not hold; kvlab.analysis.hybrid does their arithmetic")
+    shape = kv_shape(model.config)
+    types = list(pattern.layer_types)
+    if disable_hybrid_kv_cache_manager:
+        types = [FULL] * len(types)
+    specs = specs_from_layer_types(types, shape["num_layers"], block_size, shape["num_kv_heads"], shape["head_dim"],
+                                   sliding_window=pattern.sliding_window,
+                                   dtype_bytes=torch.finfo(model.dtype).bits // 8)
+    return group_layers(specs)
+
+
+def is_hybrid(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> bool:
+    """Whether any group gives blocks back (sliding window or chunked local attention), so the engine needs the
+    hybrid KV cache manager; all-full-attention models keep Chapter 4's."""
+    return any(type(g.kv_cache_spec) is not FullAttentionSpec for g in kv_cache_groups)

@@ -14,6 +14,7 @@ per-step attention metadata do:
 Only the last new token of each sequence predicts its next token: `last_token_logits` keeps those rows.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,8 @@ class SequenceChunk:
 
     token_ids: list[int]                # the new tokens (a prompt chunk, or one decode token)
     start: int                          # their first position = tokens of the sequence already cached
-    block_table: list[int]              # the sequence's physical blocks, covering start + len(token_ids)
+    block_table: list[int]              # the sequence's physical blocks, covering start + len(token_ids); a hybrid
+                                        # model's: a tuple of one table per KV-cache group (forward_batch)
     slots: list[int] | None = None      # the new tokens' slots; None: computed from the block table
 
 
@@ -86,10 +88,18 @@ def build_batch(chunks: list[SequenceChunk], block_size: int, device=None) -> Ra
 def forward_batch(model, cache, chunks: list[SequenceChunk], logits_indices=None) -> tuple[torch.Tensor, BatchLayout]:
     """One ragged forward pass of the model on `cache`; logits [T, vocab] of every new token, and the layout used.
 
-    logits_indices: only these rows of the T (vLLM's name), [len(logits_indices), vocab].
+    logits_indices: only these rows of the T (vLLM's name), [len(logits_indices), vocab]. Chunks whose block_table
+    is a tuple (one table per KV-cache group) run on a HybridPagedCache, which takes one layout per group.
     """
-    batch = build_batch(chunks, cache.block_size)
-    cache.set_batch(batch.layout)
+    if isinstance(chunks[0].block_table, tuple):
+        # A hybrid model: the same tokens laid out once per KV-cache group, each through that group's tables.
+        batches = [build_batch([dataclasses.replace(c, block_table=c.block_table[g]) for c in chunks],
+                               cache.block_size) for g in range(len(chunks[0].block_table))]
+        batch = batches[0]
+        cache.set_batch([b.layout for b in batches])
+    else:
+        batch = build_batch(chunks, cache.block_size)
+        cache.set_batch(batch.layout)
     logits = forward(model, batch.input_ids, batch.positions, cache, logits_indices)
     cache.finish_pass()
     return logits, batch.layout

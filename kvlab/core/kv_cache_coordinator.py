@@ -23,7 +23,7 @@ from kvlab.core.block_pool import BlockPool, KVCacheBlock
 from kvlab.core.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from kvlab.core.prefix_cache import get_hash_fn
 from kvlab.core.single_type_kv_cache_manager import manager_for
-from kvlab.validation import check_int, check_positive_int
+from kvlab.validation import check_int, check_positive_int, is_integer
 
 
 class HybridKVCacheCoordinator:
@@ -55,8 +55,12 @@ class HybridKVCacheCoordinator:
         self.num_tokens: dict[object, int] = {}
         self._req_tokens: dict[object, list[int]] = {}
         self._req_hashes: dict[object, dict[int, list]] = {}
+        # Prompt tokens looked up at admission and those served from the cache; re-admissions after a preemption
+        # apart (as kvlab.core.kv_cache_manager.KVCacheManager counts them).
         self.queries = 0
         self.hits = 0
+        self.preempted_queries = 0
+        self.preempted_hits = 0
 
     # ----- what the scheduler reads -----
     @property
@@ -67,6 +71,11 @@ class HybridKVCacheCoordinator:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted prompt tokens whose K/V came from the cache."""
+        return self.hits / self.queries if self.queries else 0.0
 
     def get_block_ids(self, request_id) -> tuple[list[int], ...]:
         """The request's block table in every group (block 0 where a group gave a block back)."""
@@ -131,14 +140,17 @@ class HybridKVCacheCoordinator:
     def allocate_slots(self, request_id, num_new_tokens: int,
                        computed_blocks: Sequence[Sequence[KVCacheBlock]] | None = None,
                        new_token_ids: Sequence[int] | None = None, num_lookahead_tokens: int = 0,
-                       computed_token_ids: Sequence[int] | None = None) -> None:
+                       computed_token_ids: Sequence[int] | None = None, num_query_tokens: int | None = None,
+                       preempted: bool = False) -> None:
         """Grow the request by num_new_tokens in every group, after its hits (a new request) or its tokens so far.
 
         First each group gives back the blocks this step's queries cannot see; then the request takes references
         to its hits, new blocks as its tables need them, and every group caches the blocks that are now full.
         With prefix caching, new_token_ids are the new tokens, and at admission computed_token_ids the hit's
         (the prompt's first num_cached tokens): the blocks after a hit are hashed from it, as vLLM hashes a
-        request's whole token list.
+        request's whole token list. num_query_tokens: at admission, the length the hit was looked up in (default:
+        the hit plus this call's tokens; give the whole prompt when it is admitted a chunk at a time); preempted: a
+        re-admission, counted apart.
         """
         check_int("num_new_tokens", num_new_tokens, 1)
         check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
@@ -149,6 +161,10 @@ class HybridKVCacheCoordinator:
         if running and any(computed_blocks):
             raise ValueError(f"request {request_id!r} is already running: computed blocks only come with admission")
         num_cached = 0 if running else len(computed_blocks[0]) * self.managers[0].block_size
+        if not running and num_query_tokens is not None and (
+                not is_integer(num_query_tokens) or num_query_tokens < num_cached + num_new_tokens):
+            raise ValueError(f"num_query_tokens is the length looked up at admission: None or at least the hit plus "
+                             f"the new tokens ({num_cached} + {num_new_tokens}), got {num_query_tokens!r}")
         if self.enable_prefix_caching and not running and len(computed_token_ids or ()) != num_cached:
             raise ValueError(f"computed_token_ids must be the hit's {num_cached} tokens (the prompt's start), got "
                              f"{len(computed_token_ids or ())}")
@@ -166,8 +182,13 @@ class HybridKVCacheCoordinator:
             self.num_tokens[request_id] = num_cached
             self._req_tokens[request_id] = []
             self._req_hashes[request_id] = {size: [] for size in self.block_sizes}
-            self.queries += num_cached + num_new_tokens
-            self.hits += num_cached
+            queried = num_cached + num_new_tokens if num_query_tokens is None else num_query_tokens
+            if preempted:
+                self.preempted_queries += queried
+                self.preempted_hits += num_cached
+            else:
+                self.queries += queried
+                self.hits += num_cached
         start = self.num_tokens[request_id]
         self.remove_skipped_blocks(request_id, start)
         end = start + num_new_tokens

@@ -44,6 +44,21 @@ class FullAttentionSpec:
         """Tokens at the start that no query from position num_computed_tokens on will read: none for full attention."""
         return 0
 
+    def max_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request of up to max_model_len tokens ever holds in this group (vLLM's
+        max_memory_usage_bytes, in blocks), when a step brings at most max_num_batched_tokens of it."""
+        full = -(-max_model_len // self.block_size)
+        reach = self._tokens_reached_back()
+        if reach is None:
+            return full
+        # After the skipped blocks go back, a step's n new tokens and the reach behind the first of them are held,
+        # starting anywhere in a block: one block more than they fill.
+        return min(full, -(-(reach + max_num_batched_tokens) // self.block_size) + 1)
+
+    def _tokens_reached_back(self) -> int | None:
+        """How far behind a query its keys can start (None: to the first token)."""
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindowSpec(FullAttentionSpec):
@@ -58,6 +73,9 @@ class SlidingWindowSpec(FullAttentionSpec):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """The next query sits at num_computed_tokens and reads back sliding_window - 1 tokens: older ones are dead."""
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def _tokens_reached_back(self) -> int:
+        return self.sliding_window - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +92,9 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Every token before the chunk of the next query is dead."""
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def _tokens_reached_back(self) -> int:
+        return self.attention_chunk_size - 1
 
 
 @dataclass(frozen=True, slots=True)

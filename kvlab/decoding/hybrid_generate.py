@@ -20,12 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.analysis.hybrid import layer_pattern
-from kvlab.analysis.kv_size import kv_shape
-from kvlab.cache.hybrid_cache import HybridPagedCache
+from kvlab.cache.hybrid_cache import HybridPagedCache, hybrid_groups
 from kvlab.cache.ragged_batch import SequenceChunk, build_batch
 from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator
-from kvlab.core.kv_cache_interface import group_layers, specs_from_layer_types
 from kvlab.model.attention_hook import forward
 from kvlab.model.config import check_fits_context
 from kvlab.validation import check_positive_int
@@ -46,20 +43,6 @@ class _Request:
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
-
-
-def hybrid_groups(model, block_size: int, disable_hybrid_kv_cache_manager: bool = False):
-    """The model's KV-cache groups (kvlab.core.kv_cache_interface) from its config's layer pattern; with
-    disable_hybrid_kv_cache_manager (vLLM's flag of that name) every layer is kept as full attention, one group."""
-    pattern = layer_pattern(model.config)
-    shape = kv_shape(model.config)
-    types = list(pattern.layer_types)
-    if disable_hybrid_kv_cache_manager:
-        types = ["full_attention"] * len(types)
-    specs = specs_from_layer_types(types, shape["num_layers"], block_size, shape["num_kv_heads"],
-                                   shape["head_dim"], sliding_window=pattern.sliding_window,
-                                   dtype_bytes=torch.finfo(model.dtype).bits // 8)
-    return group_layers(specs)
 
 
 class HybridGenerator:

@@ -194,6 +194,11 @@ class SchedulerConfig(_Checked):
                                                "blocks, anywhere", _optional(_one_of(RESERVATION_ARENAS)),
                                          choices=RESERVATION_ARENAS)
 
+    disable_hybrid_kv_cache_manager: bool = knob(False, "keep every layer's K/V as if all layers were full "
+                                                        "attention (vLLM's flag): a model with sliding-window layers "
+                                                        "then gives no block back, and writes the same tokens",
+                                                 _boolean)
+
     def _check_together(self) -> None:
         if self.reservation_arena is not None and self.reservation_policy is None:
             raise ValueError(f"reservation_arena={self.reservation_arena!r} places an Orca baseline's reservations: "

@@ -35,7 +35,8 @@ class InputProcessor:
     """Tokenises prompts and checks requests against the engine's fixed limits (safe to call from any thread)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 reservation_policy: str | None = None, reservation_arena: str | None = None):
+                 reservation_policy: str | None = None, reservation_arena: str | None = None,
+                 kv_cache_groups=None, max_num_batched_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -44,6 +45,18 @@ class InputProcessor:
         self.reservation_arena = reservation_arena
         self.max_blocks = num_blocks if reservation_arena is None else make_arena(reservation_arena,
                                                                                  num_blocks).largest_range
+        # A hybrid model's request holds blocks in every group, a windowed group only its window's; the pool lends
+        # all but the null block.
+        self.kv_cache_groups, self.max_num_batched_tokens = kv_cache_groups, max_num_batched_tokens
+        if kv_cache_groups is not None:
+            self.max_blocks = num_blocks - 1
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once."""
+        if self.kv_cache_groups is None:
+            return num_blocks_needed(num_tokens, self.block_size)
+        return sum(g.kv_cache_spec.max_blocks_per_request(num_tokens, self.max_num_batched_tokens)
+                   for g in self.kv_cache_groups)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids) for a string, a list of token ids or a 1-D tensor."""
@@ -89,12 +102,14 @@ class InputProcessor:
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.reservation_policy is not None:  # the reservation must fit, not only the tokens
             longest = reservation_slots(self.reservation_policy, len(ids), longest - len(ids), self.max_model_len)
-        if num_blocks_needed(longest, self.block_size) > self.max_blocks:
-            where = f"the pool has {self.num_blocks} blocks in all" if self.reservation_arena is None else \
+        needed = self.blocks_needed(longest)
+        if needed > self.max_blocks:
+            where = f"the pool has {self.max_blocks} blocks in all" if self.reservation_arena is None else \
                 f"the {self.reservation_arena} arena's largest range is {self.max_blocks} blocks"
+            groups = "" if self.kv_cache_groups is None else f" in its {len(self.kv_cache_groups)} KV-cache groups"
             raise RequestRejected(
                 f"{who} can never fit: prompt and max_tokens need up to {longest} tokens = "
-                f"{num_blocks_needed(longest, self.block_size)} blocks of {self.block_size}, but {where}",
+                f"{needed} blocks of {self.block_size}{groups}, but {where}",
                 "max_tokens")
         return text, ids, params
 

@@ -24,12 +24,19 @@ def resolve_max_model_len(max_model_len: int | None, model) -> int:
     return max_model_len
 
 
-def kv_block_bytes(model, kv_cache_dtype: str, block_size: int, draft_model=None) -> int:
-    """One block's bytes across every layer, K and V, scales included; a draft model's own K/V added."""
+def kv_block_bytes(model, kv_cache_dtype: str, block_size: int, draft_model=None, kv_cache_groups=None) -> int:
+    """One block's bytes across every layer, K and V, scales included; a draft model's own K/V added.
+
+    A hybrid model's block id (kv_cache_groups given) spans one layer of its group, in the pool tensors its largest
+    group needs (kvlab.cache.hybrid_cache): its bytes are that share of every layer's.
+    """
     def stored(m):
         return str(m.dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
 
     total = block_bytes(model.config, stored(model), block_size)
+    if kv_cache_groups is not None:
+        num_layers = sum(len(g.layer_ids) for g in kv_cache_groups)
+        total = total // num_layers * max(len(g.layer_ids) for g in kv_cache_groups)
     if draft_model is not None:  # the draft's own K/V under the same block ids: one block costs both
         total += block_bytes(draft_model.config, stored(draft_model), block_size)
     return total
@@ -48,3 +55,19 @@ def determine_num_blocks(cache_config, max_num_seqs: int, max_model_len: int, by
     # would otherwise ask for gigabytes) and never less than one full-length sequence.
     full = num_blocks_needed(max_model_len, cache_config.block_size)
     return max(full, min(max_num_seqs * full, DEFAULT_POOL_BYTES // bytes_per_block))
+
+
+def check_hybrid_config(config) -> None:
+    """Refuse, before anything is built, the knobs kvlab's hybrid KV cache manager does not serve."""
+    scheduler_config = config.scheduler_config
+    refused = []
+    if config.speculative_config is not None:
+        refused.append("speculative_config (draft tokens)")
+    if scheduler_config.preemption_mode != "recompute":
+        refused.append(f"preemption_mode={scheduler_config.preemption_mode!r} (vLLM V1 recomputes only)")
+    if scheduler_config.reservation_policy is not None:
+        refused.append(f"reservation_policy={scheduler_config.reservation_policy!r} (Orca's contiguous reservations)")
+    if refused:
+        raise ValueError(f"this model has sliding-window layers, which kvlab serves with the hybrid KV cache manager; "
+                         f"it does not support {', '.join(refused)}: leave them out, or give "
+                         f"disable_hybrid_kv_cache_manager=True to keep every layer's blocks")

@@ -32,11 +32,18 @@ they share the prompt's full blocks.
 import dataclasses
 
 from kvlab.analysis.contiguous import make_arena
+from kvlab.cache.hybrid_cache import hybrid_groups, is_hybrid
 from kvlab.core.block_views import counters_for
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.input_processor import InputProcessor
-from kvlab.engine.kv_cache_utils import determine_num_blocks, kv_block_bytes, resolve_max_model_len
+from kvlab.engine.kv_cache_utils import (
+    check_hybrid_config,
+    determine_num_blocks,
+    kv_block_bytes,
+    resolve_max_model_len,
+)
 from kvlab.engine.metrics import Metric, engine_metrics
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.output_processor import OutputProcessor
@@ -62,18 +69,30 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.model_config.max_model_len, model)
         draft_model = load_draft_model(spec.model, model) if spec is not None and spec.method == "draft_model" \
             else None
-        self.block_bytes = kv_block_bytes(model, cache_config.kv_cache_dtype, cache_config.block_size, draft_model)
+        # A model with sliding-window layers gets vLLM's hybrid KV cache manager: a block table per group of layers.
+        groups = hybrid_groups(model, cache_config.block_size, scheduler_config.disable_hybrid_kv_cache_manager)
+        self.kv_cache_groups = groups if is_hybrid(groups) else None
+        if self.kv_cache_groups is not None:
+            check_hybrid_config(config)
+        self.block_bytes = kv_block_bytes(model, cache_config.kv_cache_dtype, cache_config.block_size, draft_model,
+                                          self.kv_cache_groups)
         self.num_blocks = determine_num_blocks(cache_config, scheduler_config.max_num_seqs, self.max_model_len,
                                                self.block_bytes)
         self.input_processor = InputProcessor(tokenizer, model.config.vocab_size, self.max_model_len,
                                               cache_config.block_size, self.num_blocks,
-                                              scheduler_config.reservation_policy, scheduler_config.reservation_arena)
+                                              scheduler_config.reservation_policy, scheduler_config.reservation_arena,
+                                              kv_cache_groups=self.kv_cache_groups,
+                                              max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching,
-                                               reservation_arena=make_arena(scheduler_config.reservation_arena,
-                                                                            self.num_blocks)
-                                               if scheduler_config.reservation_arena else None)
+        if self.kv_cache_groups is not None:
+            self.kv_cache_manager = HybridKVCacheManager(self.kv_cache_groups, self.num_blocks,
+                                                         cache_config.enable_prefix_caching)
+        else:
+            self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
+                                                   cache_config.enable_prefix_caching,
+                                                   reservation_arena=make_arena(scheduler_config.reservation_arena,
+                                                                                self.num_blocks)
+                                                   if scheduler_config.reservation_arena else None)
         self.scheduler = Scheduler(self.kv_cache_manager, scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, scheduler_config.preemption_mode,
                                    cache_config.cpu_blocks_for(self.num_blocks) if
@@ -81,7 +100,8 @@ class LLMEngine:
                                    spec.num_lookahead_tokens if spec else 0,
                                    spec.num_speculative_tokens if spec else 0)
         self.model_runner = ModelRunner.from_config(model, config, self.num_blocks, draft_model,
-                                                    max_model_len=self.max_model_len)
+                                                    max_model_len=self.max_model_len,
+                                                    kv_cache_groups=self.kv_cache_groups)
         self.eos_token_ids = frozenset(eos_token_ids(model))
         self.step_count = 0
         self.num_tokens_computed = 0                 # token positions run through the model, recomputes included
@@ -260,8 +280,13 @@ class LLMEngine:
         tables = manager.block_tables
         sequences = []
         for rid, req in self.requests.items():
+            table = tables.get(rid, [])
+            extra = {}
+            if isinstance(table, tuple):  # a hybrid model: one table per KV-cache group, 0 where a window gave back
+                extra["group_tables"] = [list(t) for t in table]
+                table = list(table[0])
             sequences.append({
-                "id": rid, "status": req.status.value, "block_table": tables.get(rid, []),
+                **extra, "id": rid, "status": req.status.value, "block_table": table,
                 "tokens_stored": manager.num_tokens.get(rid, 0), "prompt_ids": req.prompt_token_ids,
                 "output_ids": req.output_token_ids,
                 "num_cached_tokens": manager.num_cached_tokens.get(rid),

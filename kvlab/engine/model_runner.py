@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.cache.hybrid_cache import HybridPagedCache
 from kvlab.cache.paged_cache import PagedKVCache
 from kvlab.cache.ragged_batch import SequenceChunk, forward_batch
 from kvlab.cache.swap import SwapSpace
@@ -45,13 +46,18 @@ class CachedRequestState:
     prompt_len: int
     sampling_params: SamplingParams
     generator: torch.Generator | None   # the request's own, when it has a seed
-    block_ids: list[int]
+    block_ids: list[int] | tuple[list[int], ...]   # a hybrid model's: one table per KV-cache group
     num_computed_tokens: int
     max_len: int                    # prompt + max_tokens, within max_model_len: never draft past it
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+
+def _own_tables(block_ids):
+    """The runner's own copy of a block table, or of each group's (a tuple) for a hybrid model."""
+    return list(block_ids) if isinstance(block_ids, list) else tuple(list(table) for table in block_ids)
 
 
 class ModelRunner:
@@ -74,12 +80,18 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, model, config, num_blocks: int, draft_model=None,
-                    max_model_len: int | None = None) -> "ModelRunner":
-        """The runner an EngineConfig describes, with its pools (and a draft model's, and the swap space) allocated."""
+                    max_model_len: int | None = None, kv_cache_groups=None) -> "ModelRunner":
+        """The runner an EngineConfig describes, with its pools (and a draft model's, and the swap space) allocated;
+        kv_cache_groups: a hybrid model's groups (its layers then read through their group's block table)."""
         cache_config, spec = config.cache_config, config.speculative_config
-        cache = PagedKVCache.for_model(model, num_blocks, cache_config.block_size,
-                                       attention_backend=cache_config.attention_backend,
-                                       kv_cache_dtype=cache_config.kv_cache_dtype)
+        if kv_cache_groups is not None:
+            cache = HybridPagedCache.for_model(model, kv_cache_groups, num_blocks,
+                                               attention_backend=cache_config.attention_backend,
+                                               kv_cache_dtype=cache_config.kv_cache_dtype)
+        else:
+            cache = PagedKVCache.for_model(model, num_blocks, cache_config.block_size,
+                                           attention_backend=cache_config.attention_backend,
+                                           kv_cache_dtype=cache_config.kv_cache_dtype)
         drafter = None
         if spec is not None and spec.method == "ngram":
             drafter = NgramProposer(spec)
@@ -155,7 +167,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
                 params, None if params.seed is None else torch.Generator().manual_seed(params.seed),
-                list(new.block_ids), new.num_computed_tokens,
+                _own_tables(new.block_ids), new.num_computed_tokens,
                 min(len(new.prompt_token_ids) + params.max_tokens, self.max_model_len))
             if draft_model is not None:
                 draft_model.admit(new.req_id, new.num_computed_tokens)
@@ -165,9 +177,12 @@ class ModelRunner:
                                                             cached.num_computed_tokens):
             state = self.requests[rid]
             if resumed:
-                state.block_ids = list(new_ids)
+                state.block_ids = _own_tables(new_ids)
                 if draft_model is not None and rid not in so.swapped_in:
                     draft_model.admit(rid, computed)
+            elif isinstance(state.block_ids, tuple):  # per group, only appended to
+                for table, ids in zip(state.block_ids, new_ids):
+                    table.extend(ids)
             else:
                 if dropped:
                     del state.block_ids[len(state.block_ids) - dropped:]

@@ -82,6 +82,11 @@ def choose_preemption_victims(running: list[tuple[Hashable, int]], num_free_bloc
     return victims
 
 
+def _table_len(block_ids):
+    """Entries of a block table, or of each group's table (a tuple) for a hybrid model."""
+    return len(block_ids) if isinstance(block_ids, list) else tuple(len(table) for table in block_ids)
+
+
 class Scheduler:
     """Waiting, running and swapped queues over one KVCacheManager (and a CPU block pool for swap preemption)."""
 
@@ -123,6 +128,9 @@ class Scheduler:
         self._shared_before: dict[str, int] = {}
         self._num_hits: dict[str, int] = {}  # per running request, the cache hits it was admitted with
         self._shared_stale = False
+        # A hybrid model's manager gives back the blocks its windows have left after every step (vLLM does it at
+        # the request's next allocation; kvlab does it as soon as the step's tokens are computed).
+        self._remove_skipped = getattr(kv_cache_manager, "remove_skipped_blocks", None)
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -295,14 +303,19 @@ class Scheduler:
             block_ids = self.kv.get_block_ids(rid)
             out.scheduled_new_reqs.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
                                                          request.params, block_ids, request.num_computed_tokens))
-            self._runner_table_len[rid] = len(block_ids)
+            self._runner_table_len[rid] = _table_len(block_ids)
             return
         if rid in self._resumed:  # re-admitted: its table starts over
             self._resumed.discard(rid)
             self._dropped_blocks.pop(rid, None)
             block_ids = self.kv.get_block_ids(rid)
             out.scheduled_cached_reqs.add(rid, True, block_ids, 0, request.num_computed_tokens)
-            self._runner_table_len[rid] = len(block_ids)
+            self._runner_table_len[rid] = _table_len(block_ids)
+            return
+        if isinstance(sent, tuple):  # a hybrid model: a table per group, only ever appended to (no drafts)
+            new = self.kv.get_block_ids(rid, start=sent)
+            out.scheduled_cached_reqs.add(rid, False, new, 0, request.num_computed_tokens)
+            self._runner_table_len[rid] = tuple(k + len(n) for k, n in zip(sent, new))
             return
         dropped = self._dropped_blocks.pop(rid, 0)
         kept = sent - dropped
@@ -431,6 +444,11 @@ class Scheduler:
             outputs.append(EngineCoreOutput(rid, emitted, request.status, num_drafts, accepted))
         for request in done:  # after every rollback, so blocks go back to the pool in the same order each step
             self._free(request)
+        if self._remove_skipped is not None:
+            for rid in scheduler_output.num_scheduled_tokens:
+                request = requests[rid]
+                if request.status == RequestStatus.RUNNING:
+                    self._remove_skipped(rid, request.num_computed_tokens)
         return outputs
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:

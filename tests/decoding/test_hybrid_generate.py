@@ -7,26 +7,19 @@ their window reaches, and a cache that cannot honour a window must refuse such a
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralForCausalLM
 
+from conftest import make_tiny_hybrid_model
 from kvlab.cache.naive_cache import NaiveKVCache
 from kvlab.core.kv_cache_interface import SlidingWindowSpec
 from kvlab.decoding.hybrid_generate import HybridGenerator, hybrid_groups
 from kvlab.model.attention_hook import forward
 
 WINDOW = 8
-COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
 
 
 def tiny(family: str):
-    torch.manual_seed(0)
-    if family == "mistral":   # every layer windowed (Mistral 7B v0.1's config, at toy scale)
-        model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW, head_dim=16))
-    else:                     # layers 0-1 full, 2-3 windowed (use_sliding_window from max_window_layers on)
-        model = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
-                                             max_window_layers=2))
-    return model.eval()
+    return make_tiny_hybrid_model(family, WINDOW)
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2"])
