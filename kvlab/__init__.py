@@ -4,11 +4,13 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
 (tests/test_import_layers.py checks it):
 
   analysis/   torch-free sizing and simulation: kv_size (bytes per token; Ch 1), contiguous, traces,
-              memory_sim (Ch 2), chat_prompts (Ch 4), vllm_bridge (Ch 8)
+              memory_sim (Ch 2), chat_prompts (Ch 4), vllm_bridge (Ch 8), hybrid (layer patterns, Mamba's
+              page size; Ch 11)
   core/       block bookkeeping in plain Python, no tensors (vLLM's v1/core): paging (block tables,
               slot mapping, the managers' shared API BaseBlockManager, BlockManager; Ch 3), block_pool,
               prefix_cache (the block-hash chain), kv_cache_manager (Ch 4), fork (copy-on-write; Ch 5),
-              block_views (the block map's data)
+              block_views (the block map's data), and for hybrid models (Ch 11) kv_cache_interface (specs and
+              groups), single_type_kv_cache_manager, kv_cache_coordinator, hybrid_kv_cache_manager
   model/      loader (load_model), config (context length, EOS ids), attention_hook (the hook that
               lets a transformers model run on kvlab's caches; Ch 1)
   kernels/    the Triton kernels: unified paged attention for a whole ragged step (decode is its one-token
@@ -17,9 +19,9 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
               ragged_batch (one forward pass over many sequences), kv_storage (the storage format: model
               dtype, int8, fp8), attention_backends (AttentionBackend and its typed per-step metadata:
               reference, torch, triton), paged_cache (PagedKVCache = a storage x a backend; Ch 3, 6, 8),
-              swap (the CPU swap space; Ch 6)
+              swap (the CPU swap space; Ch 6), hybrid_cache (each layer through its group's tables; Ch 11)
   decoding/   the chapters' own loops: generate (Ch 1), paged_generate (Ch 3), prefix_generate (Ch 4),
-              beam_search, parallel_sampling (Ch 5)
+              beam_search, parallel_sampling (Ch 5), hybrid_generate (Ch 11)
   spec_decode/ speculative decoding's proposers (vLLM's v1/spec_decode): config, ngram_proposer,
               draft_model, metrics (Ch 8)
   engine/     the serving engine (Ch 6), in vLLM V1's parts: config (EngineConfig and its Model/Cache/Scheduler

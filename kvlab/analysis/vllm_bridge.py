@@ -72,6 +72,12 @@ KNOBS = [
          'and recomputes its tokens later (V1\'s only way); "swap" copies them to CPU memory (V0, swap_space GiB). '
          'V1 logs no warning when it preempts: it counts preemptions (the Prometheus counter vllm:num_preemptions, '
          'and a "Preemptions: N" figure in its periodic stats line); V0 warned on the first and every 50th.'),
+    Knob("disable_hybrid_kv_cache_manager", "disable_hybrid_kv_cache_manager",
+         "False (newer EngineArgs: None, and vLLM turns it on where a feature needs it)",
+         "For a model with sliding-window (or chunked local, or Mamba) layers, whether every layer keeps the K/V of "
+         "every token as if all were full attention. Off, the hybrid KV cache manager gives each group of layers "
+         "of one attention type its own block tables over one pool and frees the blocks a window has left "
+         "(vllm/config/scheduler.py; Chapter 11)."),
     Knob("max_model_len", "max_model_len", "the model config's context length",
          "The longest prompt plus output of one request. Longer prompts are rejected, and start-up fails "
          "if the pool cannot hold one sequence this long; \"auto\" (or -1) makes vLLM shrink it to what fits."),

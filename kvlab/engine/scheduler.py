@@ -27,7 +27,9 @@ Scheduler.schedule calls (Chapter 6's exercises are checked against them):
     choose_preemption_victims  whom to preempt, most recently admitted first, until the others fit
 
 Scheduler.schedule reads the numbers off its queues and the KVCacheManager, asks these rules, and
-carries out what they decide.
+carries out what they decide. A model with sliding-window layers brings a HybridKVCacheManager
+(kvlab.core.hybrid_kv_cache_manager, Chapter 11) under the same calls: block ids then go to the runner as one
+table per KV-cache group, and after every step the windows give back the blocks no later query reads.
 """
 
 from collections import deque
