@@ -35,6 +35,7 @@ class _Request:
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
+    preempted: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -111,8 +112,10 @@ class HybridGenerator:
                                       f"{kv.num_blocks} has")
                 break
             waiting.popleft()
+            # The whole sequence was looked up, whatever this step's chunk; a re-admission is counted apart.
             kv.allocate_slots(request.rid, n, hits, new_token_ids=tokens[num_cached:num_cached + n],
-                              computed_token_ids=tokens[:num_cached])
+                              computed_token_ids=tokens[:num_cached], num_query_tokens=len(tokens),
+                              preempted=request.preempted)
             request.num_computed = num_cached
             running.append(request)
             scheduled.append((request, n))
@@ -148,4 +151,5 @@ class HybridGenerator:
         request.num_computed = 0
         running.remove(request)
         waiting.appendleft(request)
+        request.preempted = True
         self.num_preemptions += 1

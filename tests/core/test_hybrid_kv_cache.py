@@ -256,3 +256,49 @@ def test_bad_calls_raise_and_change_nothing():
         from kvlab.core.kv_cache_interface import KVCacheGroupSpec
         HybridKVCacheCoordinator([KVCacheGroupSpec((0,), MambaSpec(4, 64))], 8)
     assert ChunkedLocalAttentionSpec(4, 1, 8, 2, 8).num_skipped_tokens(17) == 16
+
+
+def test_a_chunked_admission_counts_the_whole_prompt_and_a_readmission_apart():
+    c = hybrid()
+    prompt = list(range(40))
+    admit(c, "a", prompt)
+    c.free("a")
+    hits, num_cached = c.get_computed_blocks("b", prompt)
+    c.allocate_slots("b", 4, hits, new_token_ids=prompt[num_cached:num_cached + 4],
+                     computed_token_ids=prompt[:num_cached], num_query_tokens=len(prompt))
+    assert (c.queries, c.hits) == (80, num_cached), "both prompts counted whole, however b's is chunked"
+    c.free("b")
+    hits, num_cached = c.get_computed_blocks("b", prompt)
+    c.allocate_slots("b", len(prompt) - num_cached, hits, new_token_ids=prompt[num_cached:],
+                     computed_token_ids=prompt[:num_cached], preempted=True)
+    assert (c.queries, c.preempted_queries, c.preempted_hits) == (80, 40, num_cached)
+    with pytest.raises(ValueError, match="num_query_tokens"):
+        hits, num_cached = c.get_computed_blocks("c", prompt)
+        c.allocate_slots("c", 4, hits, new_token_ids=prompt[num_cached:num_cached + 4],
+                         computed_token_ids=prompt[:num_cached], num_query_tokens=num_cached + 3)
+    assert "c" not in c.num_tokens, "a refused call allocates nothing"
+
+
+@pytest.mark.parametrize("spec", [FullAttentionSpec(4, 2, 8), SlidingWindowSpec(4, 2, 8, sliding_window=10),
+                                  ChunkedLocalAttentionSpec(4, 2, 8, attention_chunk_size=12)])
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_the_most_blocks_a_request_holds_is_max_blocks_per_request(spec, budget):
+    """Run requests of every length through the group in chunks of the budget; the peak equals the bound."""
+    max_len = 60
+    peak = 0
+    for offset in range(budget):  # chunk boundaries at every offset, so the worst alignment is met
+        c = HybridKVCacheCoordinator(group_layers([spec]), 64)
+        tokens = list(range(max_len))
+        done = 0
+        first = True
+        while done < max_len:
+            n = min(budget if not first or not offset else offset, max_len - done)
+            kwargs = dict(computed_token_ids=[]) if first else {}
+            c.allocate_slots("r", n, None, new_token_ids=tokens[done:done + n], **kwargs)
+            done += n
+            first = False
+            peak = max(peak, c.block_pool.num_used_blocks - 1)
+            c.remove_skipped_blocks("r", done)
+    bound = spec.max_blocks_per_request(max_len, budget)
+    assert peak <= bound, f"{type(spec).__name__}: a request held {peak} blocks, above the bound {bound}"
+    assert peak >= bound - 1, f"{type(spec).__name__}: the bound {bound} is loose (the peak was {peak})"
