@@ -1,8 +1,14 @@
 """Train the course's small character-level Llama on assets/text/shakespeare.txt and save it with save_pretrained.
 
+`--arch qwen2-window` trains its hybrid sibling instead: a Qwen2 of the same sizes whose layers from
+`--max-window-layers` on attend only to the last `--sliding-window` positions (the query's own included),
+in training as in serving.
+
 Usage:
     python tools/train_model.py --steps 3 --out /tmp/tiny          # smoke test, seconds
     OMP_NUM_THREADS=1 python tools/train_model.py --out assets/model --bf16   # the shipped model, ~20 min
+    OMP_NUM_THREADS=1 python tools/train_model.py --out assets/model_window --bf16 \
+        --arch qwen2-window --sliding-window 32 --max-window-layers 2   # the windowed sibling, ~20 min
 """
 
 from __future__ import annotations
@@ -19,12 +25,21 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = REPO / "assets" / "text" / "shakespeare.txt"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]  # ids 0, 1, 2; characters follow
 PAD_ID, EOS_ID = 0, 1
+ARCHS = ("llama", "qwen2-window")
+WINDOW_ARGS = ("arch", "sliding_window", "max_window_layers")  # absent from a llama run's summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,11 +62,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="llama: all layers full attention; qwen2-window: later layers sliding-window")
+    p.add_argument("--sliding-window", type=int, default=32,
+                   help="qwen2-window only: keys a windowed layer sees, the query's own included")
+    p.add_argument("--max-window-layers", type=int, default=2,
+                   help="qwen2-window only: layers 0..K-1 attend fully, layers K.. through the window")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast for matmuls (weights stay float32)")
     p.add_argument("--sample-prompt", default="OTHELLO.\n")
     p.add_argument("--sample-chars", type=int, default=240,
                    help="capped so prompt plus sample fits in --seq-len")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.arch == "qwen2-window":
+        if not 1 <= args.sliding_window:
+            p.error(f"--sliding-window must be at least 1, got {args.sliding_window}")
+        if not 0 <= args.max_window_layers < args.layers:
+            p.error(f"--max-window-layers must be in [0, {args.layers}) so some layer is windowed, "
+                    f"got {args.max_window_layers}")
+    return args
 
 
 def seed_everything(seed: int) -> None:
@@ -80,8 +108,10 @@ def build_tokenizer(text: str, max_length: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> LlamaForCausalLM:
-    """A small Llama with grouped-query attention and head_dim 64."""
+def build_model(args: argparse.Namespace, vocab_size: int) -> LlamaForCausalLM | Qwen2ForCausalLM:
+    """A small Llama (or, with --arch qwen2-window, a Qwen2) with grouped-query attention and head_dim 64."""
+    if args.arch == "qwen2-window":
+        return build_window_model(args, vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=args.hidden,
@@ -99,6 +129,32 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> LlamaForCausalLM:
     )
     config.dtype = torch.float32
     return LlamaForCausalLM(config)
+
+
+def build_window_model(args: argparse.Namespace, vocab_size: int) -> Qwen2ForCausalLM:
+    """The Llama's sizes as a Qwen2 whose layers --max-window-layers.. attend through --sliding-window."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=64,
+        max_position_embeddings=args.seq_len,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        # Qwen2Config derives layer_types from these: layer i is "sliding_attention" when i >= K.
+        use_sliding_window=True,
+        sliding_window=args.sliding_window,
+        max_window_layers=args.max_window_layers,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    config.dtype = torch.float32
+    return Qwen2ForCausalLM(config)
 
 
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
@@ -225,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     sample = sample_text(model, tokenizer, args.sample_prompt, args.sample_chars, args.seed)
     summary = {
-        "args": {k: _portable(v) for k, v in vars(args).items()},
+        # A llama run's summary keeps the keys it had before the window options existed.
+        "args": {k: _portable(v) for k, v in vars(args).items()
+                 if args.arch != "llama" or k not in WINDOW_ARGS},
         "parameters": n_params,
         "train_characters": len(train_data),
         "val_characters": len(val_data),

@@ -83,3 +83,41 @@ def test_training_learns_follows_its_arguments_and_is_reproducible(tmp_path):
         f"after 30 steps the training loss {summary['final_train_loss']:.3f} should be well below "
         f"chance ({chance:.3f}): the model is not learning")
     assert summary["parameters"] == sum(w.numel() for k, w in weights[0].items() if "lm_head" not in k)
+    assert "arch" not in summary["args"], "a llama run's summary keeps the keys it had before --arch existed"
+
+
+def test_qwen2_window_arch_saves_the_windowed_layers_it_was_asked_for(tmp_path):
+    """--arch qwen2-window: layers from --max-window-layers on are windowed, in the saved config and the summary."""
+    from kvlab.model.loader import load_model
+
+    out = _train(tmp_path, "window", "--layers", "3", "--arch", "qwen2-window", "--sliding-window", "8",
+                 "--max-window-layers", "1")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["sliding_window"] == 8
+    assert config["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"], \
+        "Qwen2 windows the layers from max_window_layers on"
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert (summary["args"]["arch"], summary["args"]["sliding_window"], summary["args"]["max_window_layers"]) == \
+        ("qwen2-window", 8, 1), "the summary records the window it was trained with"
+    model, tokenizer = load_model(out, device="cpu")
+    assert model.config.layer_types[1] == "sliding_attention"
+    ids = tokenizer("MACBETH.\n")["input_ids"]
+    assert [tokenizer.decode([i]) for i in ids] == list("MACBETH.\n"), \
+        f"load_model must give the character-level tokenizer, not Qwen2's own byte-level one: {ids}"
+
+
+def test_window_options_are_checked(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_model", SCRIPT)
+    train_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_model)
+    for bad, field in [(["--max-window-layers", "4"], "--max-window-layers"), (["--sliding-window", "0"],
+                                                                              "--sliding-window")]:
+        try:
+            train_model.parse_args(["--out", "x", "--arch", "qwen2-window", *bad])
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{bad} was accepted")
+        assert field in capsys.readouterr().err, f"the error must name {field}"
