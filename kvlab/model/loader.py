@@ -1,10 +1,16 @@
-"""Load the course's embedded model, or any Hugging Face Llama, Qwen2 or Mistral-family model."""
+"""Load the course's embedded model, or any Hugging Face Llama, Qwen2 or Mistral-family model.
 
+The shipped models also answer to a name (kvlab.paths.SHIPPED_MODELS): load_model("window") is the embedded
+model's hybrid sibling, a Qwen2 whose layers 2-3 attend through a 32-token sliding window.
+"""
+
+import json
+import os
 from pathlib import Path
 
 import torch
 
-from kvlab.paths import DEFAULT_MODEL_DIR
+from kvlab.paths import DEFAULT_MODEL_DIR, SHIPPED_MODELS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -14,11 +20,30 @@ def _looks_like_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
-def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: str | None = None):
-    """Return (model, tokenizer) in eval mode; None means the embedded model in assets/model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _is_bare_word(source) -> bool:
+    # "window", not "./window", "~/m" or "org/model": a name, unless something of that name is on disk.
+    return (isinstance(source, str) and not any(sep in source for sep in ("/", os.sep))
+            and not source.startswith((".", "~")) and not Path(source).exists())
 
-    source = str(name_or_path if name_or_path is not None else DEFAULT_MODEL_DIR)
+
+def model_dir(name: str) -> Path:
+    """The folder of the shipped model called `name` (a key of kvlab.paths.SHIPPED_MODELS)."""
+    if name not in SHIPPED_MODELS:
+        raise ValueError(f"model name {name!r} is not a shipped model; the names are "
+                         f"{', '.join(repr(k) for k in SHIPPED_MODELS)} (or pass a folder or a Hugging Face id)")
+    return SHIPPED_MODELS[name]
+
+
+def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: str | None = None):
+    """Return (model, tokenizer) in eval mode; None means the embedded model in assets/model, a shipped model's
+    name ("default", "window", "draft") its folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name_or_path is None:
+        name_or_path = DEFAULT_MODEL_DIR
+    elif name_or_path in SHIPPED_MODELS or _is_bare_word(name_or_path):
+        name_or_path = model_dir(name_or_path)
+    source = str(name_or_path)
     if not _looks_like_hub_id(source):
         path = Path(source).expanduser()
         if not (path / "config.json").exists():
@@ -34,5 +59,18 @@ def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: st
         )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    return model, tokenizer
+    return model, _load_tokenizer(source)
+
+
+def _load_tokenizer(source: str):
+    """The folder's tokenizer.json as written, when its tokenizer_config.json asks for that (the course's models)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(source) / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        # AutoTokenizer swaps in the family's own class for some families whatever the folder declares: a Qwen2
+        # folder gets Qwen2Tokenizer, which rebuilds a byte-level pipeline and would split "OTHELLO.\n" into
+        # other ids than the character-level tokenizer the course's window model was trained with.
+        return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
