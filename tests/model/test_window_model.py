@@ -106,6 +106,22 @@ def test_hybrid_pool_equals_transformers_generate(model, tokenizer):
     assert gen.coordinator.num_free_blocks == gen.coordinator.num_blocks, "every block back at the end"
 
 
+def test_the_engine_serves_it_by_name_with_the_hybrid_manager(model, tokenizer):
+    from kvlab import LLM, SamplingParams
+    from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    llm = LLM("window", block_size=BLOCK_SIZE, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4)
+    assert isinstance(llm.llm_engine.kv_cache_manager, HybridKVCacheManager)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for text, out in zip(PROMPTS, outs):
+        expected = reference(model, tokenizer(text)["input_ids"], NEW_TOKENS)
+        assert list(out.outputs[0].token_ids) == expected, (
+            f"prompt {text!r}: LLM('window') wrote {out.outputs[0].text!r}, transformers "
+            f"{tokenizer.decode(expected)!r}")
+        assert out.outputs[0].text == tokenizer.decode(expected)
+    assert llm.llm_engine.kv_cache_manager.hits > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+
+
 def test_windowed_groups_hold_only_what_the_window_reaches(model, tokenizer):
     gen = HybridGenerator(model, num_blocks=64, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
     live = {}  # group kind -> after every step, (num_computed, table indices of the blocks still held)
