@@ -9,7 +9,7 @@ greedy, prefix caching on, at most 64 tokens per step (chunked prefill). Reporte
 
 1. one request of each context length (prompt, then 32 generated tokens): the most KV bytes it held at once;
 2. 24 such requests in the same pool bytes (1 MiB for the tiny models, 64 blocks when all layers keep every
-   block; 8 MiB for the trained one, also 64): the most that ran at once, and the steps the batch took;
+   block; 4 MiB for the trained one, also 64): the most that ran at once, and the steps the batch took;
 3. a shared-prefix workload (16 requests in turn: one 128-token prefix plus 16-61 tokens of their own, 16
    generated, in 40 all-full blocks' worth of bytes), alone and with an unrelated 160-token request after each
    (in 14 blocks' worth, so the prefix must survive eviction): prompt tokens served from the prefix cache.
@@ -57,7 +57,7 @@ def models():
         from kvlab.model.loader import load_model
 
         model, _ = load_model("window", device="cpu")
-        yield "the course's window model (trained)", model, model.config.vocab_size, 8 * 2**20
+        yield "the course's window model (trained)", model, model.config.vocab_size, 4 * 2**20
 
 
 def prompt(length: int, seed: int, vocab: int) -> list[int]:
