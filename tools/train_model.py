@@ -108,25 +108,19 @@ def build_tokenizer(text: str, max_length: int) -> PreTrainedTokenizerFast:
     )
 
 
+def shared_sizes(args: argparse.Namespace, vocab_size: int) -> dict:
+    """The config fields both architectures take: sizes, context, norm, tied embeddings, special ids."""
+    return dict(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.ffn,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                head_dim=64, max_position_embeddings=args.seq_len, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
 def build_model(args: argparse.Namespace, vocab_size: int) -> LlamaForCausalLM | Qwen2ForCausalLM:
     """A small Llama (or, with --arch qwen2-window, a Qwen2) with grouped-query attention and head_dim 64."""
     if args.arch == "qwen2-window":
         return build_window_model(args, vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=64,
-        max_position_embeddings=args.seq_len,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+    config = LlamaConfig(**shared_sizes(args, vocab_size))
     config.dtype = torch.float32
     return LlamaForCausalLM(config)
 
@@ -134,24 +128,12 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> LlamaForCausalLM |
 def build_window_model(args: argparse.Namespace, vocab_size: int) -> Qwen2ForCausalLM:
     """The Llama's sizes as a Qwen2 whose layers --max-window-layers.. attend through --sliding-window."""
     config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=64,
-        max_position_embeddings=args.seq_len,
-        rms_norm_eps=1e-5,
+        **shared_sizes(args, vocab_size),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
         # Qwen2Config derives layer_types from these: layer i is "sliding_attention" when i >= K.
         use_sliding_window=True,
         sliding_window=args.sliding_window,
         max_window_layers=args.max_window_layers,
-        bos_token_id=None,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
     )
     config.dtype = torch.float32
     return Qwen2ForCausalLM(config)

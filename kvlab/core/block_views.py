@@ -5,6 +5,16 @@ documented in kvlab.widgets.block_map). Engines build views and counters here; w
 """
 
 
+def pool_block_view(block, block_size: int, hit_blocks=frozenset()) -> dict:
+    """A pool block's view before its owners are filled in: a free block with a hash is cached and shown full."""
+    cached = block.block_hash is not None and block.ref_cnt == 0
+    view = {"id": block.block_id, "owner": None, "owners": [], "fill": block_size if cached else 0,
+            "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+    if block.block_id in hit_blocks:
+        view["hit"] = True
+    return view
+
+
 def block_owners(block: dict) -> list:
     """Every sequence whose block table holds this block view (one `owner` or a shared `owners` list)."""
     owners = block.get("owners")

@@ -22,6 +22,7 @@ decoding's draft tokens, swap preemption (vLLM V1 has recompute only) and Orca's
 from collections.abc import Hashable, Sequence
 
 from kvlab.core.block_pool import KVCacheBlock
+from kvlab.core.block_views import pool_block_view
 from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from kvlab.core.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
@@ -198,9 +199,7 @@ class HybridKVCacheManager:
         size = self.block_size
         blocks = []
         for block in self.block_pool.blocks:
-            cached = block.block_hash is not None and block.ref_cnt == 0
-            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
-                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+            entry = pool_block_view(block, size, hit_blocks)
             if block is self.null_block:
                 entry.update(null=True, note="null block: stands where a window gave a block back")
             elif block.block_hash is not None:
@@ -208,8 +207,6 @@ class HybridKVCacheManager:
                 entry["group"] = group
                 entry["note"] = f"group {group}, hash {block_hash.hex()[:4]}…" if isinstance(block_hash, bytes) \
                     else f"group {group}"
-            if block.block_id in hit_blocks:
-                entry["hit"] = True
             blocks.append(entry)
         for manager in self.coordinator.managers:
             spec = manager.kv_cache_spec

@@ -42,6 +42,7 @@ BlockManager answers get_computed_blocks with no hits.
 from collections.abc import Hashable, Sequence
 
 from kvlab.core.block_pool import KVCacheBlock, PooledBlockManager
+from kvlab.core.block_views import pool_block_view
 from kvlab.core.draft_tokens import plan_rollback
 from kvlab.core.paging import num_blocks_needed, slot_mapping_for
 from kvlab.core.prefix_cache import get_hash_fn
@@ -297,15 +298,11 @@ class KVCacheManager(PooledBlockManager):
         size = self.block_size
         blocks = []
         for block in self.block_pool.blocks:
-            cached = block.block_hash is not None and block.ref_cnt == 0
-            entry = {"id": block.block_id, "owner": None, "owners": [], "fill": size if cached else 0,
-                     "logical": None, "ref_count": block.ref_cnt, "cached": cached}
+            entry = pool_block_view(block, size, hit_blocks)
             if block.block_hash is not None:
                 digest = block.block_hash.hex() if isinstance(block.block_hash, bytes) \
                     else f"{hash(block.block_hash) & 0xFFFFFFFF:08x}"
                 entry["note"] = f"hash {digest[:4]}…"
-            if block.block_id in hit_blocks:
-                entry["hit"] = True
             blocks.append(entry)
         # req_to_blocks is in admission order, so the first owner listed is the first request that held the block.
         for rid, table in self.req_to_blocks.items():
