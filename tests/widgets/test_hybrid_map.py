@@ -70,7 +70,9 @@ def test_html_draws_each_group_side_by_side_and_freed_entries_as_null():
     assert sorted(pool) == list(range(24))
     a_full = snap["requests"][0]["tables"][0]
     assert pool[a_full[0]]["data-owners"] == "a:0 b:0"
-    assert seq_colour("a") in markup and seq_colour("b") in markup
+    for entry in entries:
+        if entry["data-freed"] == "0":
+            assert seq_colour(entry["data-req"]) in entry["style"], "an entry takes its request's colour"
     assert pool[0]["data-owners"] == "" and "null block" in pool[0]["title"]
 
 
