@@ -198,7 +198,7 @@ class HybridKVCacheCoordinator:
         if self.enable_prefix_caching:
             tokens = self._req_tokens[request_id]
             if not running:
-                tokens.extend(int(t) for t in computed_token_ids)
+                tokens.extend(int(t) for t in computed_token_ids or ())
             tokens.extend(int(t) for t in new_token_ids)
             for manager in self.managers:
                 known = self._req_hashes[request_id][manager.block_size] = self._hashes(
