@@ -17,7 +17,6 @@ A block id in an entry is a page in every layer of that entry's group; `owners` 
 
 import html
 
-from kvlab.core.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvlab.widgets.block_map import FREE_COLOUR, seq_colour
 
 NULL_COLOUR = "#444"
@@ -25,9 +24,11 @@ CELL_PX = 30
 
 
 def _kind(spec) -> tuple[str, int | None]:
-    if isinstance(spec, SlidingWindowSpec):
+    # Read by field, not by class: widgets import nothing of the package but the block views (kvlab.core's specs
+    # name their window sliding_window and their chunk attention_chunk_size).
+    if getattr(spec, "sliding_window", None):
         return "sliding", spec.sliding_window
-    if isinstance(spec, ChunkedLocalAttentionSpec):
+    if getattr(spec, "attention_chunk_size", None):
         return "chunked", spec.attention_chunk_size
     return "full", None
 
