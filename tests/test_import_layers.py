@@ -18,6 +18,8 @@ ALLOWED_KVLAB = {
     "kvlab.validation": set(),
     "kvlab.quantization": set(),
     "kvlab.core": {"kvlab.validation"},
+    # Offloading's bookkeeping runs in the scheduler beside core but needs nothing of it: hashes are opaque keys.
+    "kvlab.kv_offload": {"kvlab.validation"},
     # The simulators reuse core's block arithmetic (blocks per sequence), which needs no tensors either.
     "kvlab.analysis": {"kvlab.core", "kvlab.paths", "kvlab.validation"},
     "kvlab.model": {"kvlab.paths", "kvlab.validation"},
@@ -60,6 +62,8 @@ FORBIDDEN_THIRD_PARTY = {
     "kvlab.paths": {"torch", "numpy", "transformers", "triton", "ipywidgets"},
     "kvlab.quantization": {"transformers", "triton", "ipywidgets"},
     "kvlab.kernels": {"transformers", "ipywidgets"},
+    # Its movers (worker, disk) use torch and safetensors; the bookkeeping modules stay torch-free (see below).
+    "kvlab.kv_offload": {"transformers", "triton", "ipywidgets"},
     "kvlab.model": {"ipywidgets", "triton"},
     "kvlab.cache": {"ipywidgets"},
     "kvlab.engine": {"ipywidgets"},
@@ -153,6 +157,23 @@ def test_core_imports_only_the_standard_library():
     assert not offenders, "core must stay torch-free:\n" + "\n".join(offenders)
 
 
+# kv_offload's scheduler side, which must run where no tensor library is loaded.
+KV_OFFLOAD_BOOKKEEPING = ("abstract", "backend", "policy_manager", "lru_manager", "arc_manager", "cpu", "__init__")
+
+
+def test_kv_offload_bookkeeping_imports_only_the_standard_library():
+    """The managers and backends are plain Python like kvlab.core; only worker.py and disk.py may touch tensors."""
+    stdlib = sys.stdlib_module_names
+    offenders = []
+    for name in KV_OFFLOAD_BOOKKEEPING:
+        path = PACKAGE / "kv_offload" / f"{name}.py"
+        for line, imported in imports_of(path):
+            top = imported.split(".")[0]
+            if top != "kvlab" and top not in stdlib:
+                offenders.append(f"{path.name}:{line} imports {imported}")
+    assert not offenders, "kv_offload's bookkeeping must stay torch-free:\n" + "\n".join(offenders)
+
+
 def test_the_checker_sees_a_planted_upward_import():
     """The rules bite: a core module importing the engine (even lazily) or torch is reported."""
     path = PACKAGE / "core" / "paging.py"
@@ -171,6 +192,8 @@ def test_the_checker_sees_a_planted_upward_import():
     ("kvlab.quantization", ("transformers", "triton")),
     ("kvlab.kernels", ("transformers", "kvlab.cache", "kvlab.engine", "kvlab.model")),
     ("kvlab.analysis.vllm_bridge", ("kvlab.simulation",)),
+    ("kvlab.kv_offload", ("torch", "numpy", "safetensors")),
+    ("kvlab.kv_offload.arc_manager", ("torch", "numpy", "safetensors")),
 ])
 def test_importing_a_layer_loads_nothing_above_it(module, absent):
     """The same rule at run time, in a fresh interpreter: what a module pulls in, transitively."""
