@@ -74,9 +74,11 @@ class OffloadingManager(ABC):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadStoreSpec:
         """Pin these ready blocks against eviction until complete_load, and say where to read them."""
 
+    @abstractmethod
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark these blocks as just used, so the eviction policy keeps them longer."""
 
+    @abstractmethod
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Unpin blocks whose load (from prepare_load) has finished."""
 
@@ -84,9 +86,10 @@ class OffloadingManager(ABC):
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
         """Reserve room for the blocks not yet held, evicting if needed; None (nothing changed) if it cannot."""
 
+    @abstractmethod
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Mark stored blocks ready (success) or forget them and free their ids (failure)."""
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """The events since the last call, oldest first; the manager forgets them."""
+        """The events since the last call, oldest first, then forgotten; none from a manager that keeps none."""
         return ()

@@ -198,6 +198,11 @@ def test_random_workload_keeps_every_invariant(policy, seed):
         for batch in pending:
             for h in batch:
                 assert h in held and not held[h].is_ready, f"block {h} being stored vanished or became ready early"
+        if isinstance(m, ARCOffloadingManager):
+            assert len(m.t1) + len(m.b1) <= capacity, "ARC keeps |T1| + |B1| <= c"
+            assert len(m.t1) + len(m.t2) + len(m.b1) + len(m.b2) <= 2 * capacity, "ARC remembers at most 2c hashes"
+            assert not (set(m.b1) | set(m.b2)) & set(held), "a ghost is a hash no longer held"
+            assert 0 <= m.target_t1_size <= capacity, "p stays between 0 and c"
         probe = rng.sample(universe, rng.randint(1, 6))
         expected = next((i for i, h in enumerate(probe) if h not in ready_by_events), len(probe))
         assert m.lookup(probe) == expected, f"lookup({probe}) must count the ready prefix"
