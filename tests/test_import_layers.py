@@ -158,7 +158,9 @@ def test_core_imports_only_the_standard_library():
 
 
 # kv_offload's scheduler side, which must run where no tensor library is loaded.
-KV_OFFLOAD_BOOKKEEPING = ("abstract", "backend", "policy_manager", "lru_manager", "arc_manager", "cpu", "__init__")
+KV_OFFLOAD_BOOKKEEPING = (
+    "abstract", "mediums", "backend", "policy_manager", "lru_manager", "arc_manager", "cpu", "__init__",
+)
 
 
 def test_kv_offload_bookkeeping_imports_only_the_standard_library():

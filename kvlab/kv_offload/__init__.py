@@ -8,8 +8,9 @@ evicting older copies by LRU or ARC when the tier is full.
 
 The package is split the way vLLM splits it:
 
-* bookkeeping, plain Python and torch-free like kvlab.core: abstract (the API), backend (a medium's block
-  ids), lru_manager and arc_manager (the two eviction policies), cpu (a host tier sized from a byte budget);
+* bookkeeping, plain Python and torch-free like kvlab.core: abstract (the API), mediums (their names),
+  backend (a medium's block ids), policy_manager (what both policies share), lru_manager and arc_manager
+  (the two eviction policies), cpu (a host tier sized from a byte budget);
 * movers, which touch tensors and files: worker (block copies between the device pools and a host pool) and
   disk (one checksummed safetensors file per block). Import them by name; this package imports neither.
 """
@@ -19,8 +20,10 @@ from kvlab.kv_offload.arc_manager import ARCOffloadingManager
 from kvlab.kv_offload.backend import Backend, BlockStatus
 from kvlab.kv_offload.cpu import CPUBackend, kv_bytes_per_block, num_blocks_for_budget
 from kvlab.kv_offload.lru_manager import LRUOffloadingManager
+from kvlab.kv_offload.mediums import CPU_MEDIUM, DISK_MEDIUM, GPU_MEDIUM
 
 __all__ = [
-    "ARCOffloadingManager", "Backend", "BlockStatus", "CPUBackend", "LRUOffloadingManager", "LoadStoreSpec",
-    "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput", "kv_bytes_per_block", "num_blocks_for_budget",
+    "ARCOffloadingManager", "Backend", "BlockStatus", "CPUBackend", "CPU_MEDIUM", "DISK_MEDIUM", "GPU_MEDIUM",
+    "LRUOffloadingManager", "LoadStoreSpec", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput",
+    "kv_bytes_per_block", "num_blocks_for_budget",
 ]

@@ -11,9 +11,8 @@ can size the tier without tensors (the element size is a plain int: 4 for float3
 """
 
 from kvlab.kv_offload.backend import Backend
+from kvlab.kv_offload.mediums import CPU_MEDIUM
 from kvlab.validation import check_block_size, check_positive_int
-
-CPU_MEDIUM = "CPU"
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

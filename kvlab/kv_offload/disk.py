@@ -16,8 +16,9 @@ Why each part:
   temporary file, whose name never matches a block).
 
 load raises DiskBlockError (MissingBlockError or CorruptBlockError) when the copy is unusable; the caller
-treats it as a miss and recomputes the block. The bookkeeping for this tier is a kvlab.kv_offload.Backend
-with medium DISK_MEDIUM and as many ids as the disk budget allows blocks.
+treats it as a miss and recomputes the block. The bookkeeping for this tier is torch-free: a
+kvlab.kv_offload.Backend named DISK_MEDIUM (kvlab.kv_offload.mediums) with as many ids as the disk budget
+holds blocks (kvlab.kv_offload.cpu.num_blocks_for_budget does that arithmetic for any medium).
 """
 
 import hashlib
@@ -32,7 +33,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-DISK_MEDIUM = "DISK"
 SUFFIX = ".safetensors"
 TENSOR_NAME = "kv"
 

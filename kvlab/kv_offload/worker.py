@@ -22,7 +22,7 @@ from kvlab.validation import check_block_size, check_int, check_positive_int
 
 def make_host_pool(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
-    """Zeros [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; pinned memory makes copies async."""
+    """Zeros [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; pin_memory (needs CUDA) speeds copies."""
     shape = (check_positive_int("num_blocks", num_blocks), check_positive_int("num_layers", num_layers), 2,
              check_block_size(block_size), check_positive_int("num_kv_heads", num_kv_heads),
              check_positive_int("head_dim", head_dim))

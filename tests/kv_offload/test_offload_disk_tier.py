@@ -6,9 +6,8 @@ import os
 import pytest
 import torch
 
-from kvlab.kv_offload import ARCOffloadingManager, Backend
+from kvlab.kv_offload import DISK_MEDIUM, ARCOffloadingManager, Backend
 from kvlab.kv_offload.disk import (
-    DISK_MEDIUM,
     CorruptBlockError,
     DiskBlockError,
     DiskBlockStore,
