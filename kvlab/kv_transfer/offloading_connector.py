@@ -167,7 +167,8 @@ class OffloadingConnector(KVConnectorBase_V1):
             if full <= start:
                 continue
             self._num_stored[rid] = full
-            hashes = self._block_hashes(request)[start:full]
+            # A tier smaller than the run keeps its leading blocks: a later block is useless without them.
+            hashes = self._block_hashes(request)[start:min(full, start + self.num_cpu_blocks)]
             out = self.manager.prepare_store(hashes)
             if out is None:  # every held copy is pinned by a load: these blocks are not offloaded
                 continue
