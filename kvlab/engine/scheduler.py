@@ -30,6 +30,14 @@ Scheduler.schedule reads the numbers off its queues and the KVCacheManager, asks
 carries out what they decide. A model with sliding-window layers brings a HybridKVCacheManager
 (kvlab.core.hybrid_kv_cache_manager, Chapter 11) under the same calls: block ids then go to the runner as one
 table per KV-cache group, and after every step the windows give back the blocks no later query reads.
+
+A KV connector (kvlab.kv_transfer, given as kv_connector) is called where vLLM V1's scheduler calls it: at
+admission, after the GPU prefix-cache hit, get_num_new_matched_tokens says how many further tokens it can
+load (they take blocks but no token budget) and update_state_after_alloc hears which blocks they land in;
+at the end of schedule(), build_connector_meta puts the step's copy orders on the output; after the step,
+update_connector_output; and request_finished when a request stops or is aborted. vLLM also lets a load
+outlast a step (the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks); kvlab's loads finish
+within the step, so a connector that asks for that is refused.
 """
 
 from collections import deque

@@ -191,3 +191,16 @@ def test_an_aborted_request_releases_its_blocks(embedded, prompts):
     got = run_one_by_one(engine, [("b2", prompts["b"])])
     assert got["b2"] == reference_generate(model, prompts["b"], 8)
     assert_released(engine)
+
+
+@pytest.mark.parametrize("prompt_only, stored", [(True, 5), (False, 6)])
+def test_offload_prompt_only_decides_whether_decode_blocks_are_stored(embedded, prompts, prompt_only, stored):
+    model, tokenizer = embedded
+    config = offloading(64 << 20)
+    config["kv_connector_extra_config"]["offload_prompt_only"] = prompt_only
+    engine = LLMEngine(model, tokenizer, block_size=BLOCK_SIZE, num_blocks=8, max_model_len=64,
+                       kv_transfer_config=config)
+    got = run_one_by_one(engine, [("a", prompts["a"])])
+    # 47 prompt tokens hold 5 full blocks; with 8 outputs, 54 tokens are computed (the last one is only sampled).
+    assert engine.kv_connector.num_stored_blocks == stored
+    assert engine.kv_connector.manager.lookup(block_hashes(prompts["a"] + got["a"], BLOCK_SIZE)) == stored
