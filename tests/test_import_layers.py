@@ -22,13 +22,17 @@ ALLOWED_KVLAB = {
     "kvlab.kv_offload": {"kvlab.validation"},
     # The simulators reuse core's block arithmetic (blocks per sequence), which needs no tensors either.
     "kvlab.analysis": {"kvlab.core", "kvlab.paths", "kvlab.validation"},
+    # KV connectors: the scheduler's half hashes blocks as core does and keeps a kv_offload tier, the worker's half
+    # copies between the cache's pools and the tier's host pool.
+    "kvlab.kv_transfer": {"kvlab.core", "kvlab.kv_offload", "kvlab.cache", "kvlab.validation"},
     "kvlab.model": {"kvlab.paths", "kvlab.validation"},
     "kvlab.kernels": {"kvlab.quantization", "kvlab.validation"},
     "kvlab.cache": {"kvlab.core", "kvlab.model", "kvlab.kernels", "kvlab.quantization", "kvlab.analysis",
                     "kvlab.validation"},
     # LLM.beam_search runs Chapter 5's loop, so the engine sits above the chapters' decoding loops.
-    "kvlab.engine": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
-                     "kvlab.analysis", "kvlab.decoding", "kvlab.spec_decode", "kvlab.paths", "kvlab.validation"},
+    "kvlab.engine": {"kvlab.core", "kvlab.kv_transfer", "kvlab.cache", "kvlab.model", "kvlab.kernels",
+                     "kvlab.quantization", "kvlab.analysis", "kvlab.decoding", "kvlab.spec_decode", "kvlab.paths",
+                     "kvlab.validation"},
     # Proposers run a draft model on its own paged cache; the engine hands them its sampler.
     "kvlab.spec_decode": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.paths", "kvlab.validation"},
     "kvlab.decoding": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.kernels", "kvlab.quantization",
@@ -64,6 +68,7 @@ FORBIDDEN_THIRD_PARTY = {
     "kvlab.kernels": {"transformers", "ipywidgets"},
     # Its movers (worker, disk) use torch and safetensors; the bookkeeping modules stay torch-free (see below).
     "kvlab.kv_offload": {"transformers", "triton", "ipywidgets"},
+    "kvlab.kv_transfer": {"transformers", "triton", "ipywidgets"},
     "kvlab.model": {"ipywidgets", "triton"},
     "kvlab.cache": {"ipywidgets"},
     "kvlab.engine": {"ipywidgets"},

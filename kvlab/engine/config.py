@@ -6,7 +6,8 @@
 The knobs live in four parts, as vLLM's do: ModelConfig (which model, its dtype and device, the
 longest sequence, the seed), CacheConfig (block size, pool size, storage format, prefix caching, the
 CPU pool for swapping, the attention backend), SchedulerConfig (batch limits, preemption, the paper's
-reservation baselines) and SpeculativeConfig (kvlab.spec_decode.config). Each knob is declared once,
+reservation baselines) and SpeculativeConfig (kvlab.spec_decode.config), with kv_transfer_config (a KV
+connector, kvlab.kv_transfer) beside them. Each knob is declared once,
 below, with its default, its check and its help text: `LLM(**knobs)` and `LLMEngine(model, **knobs)`
 take them as keyword arguments, and `kvlab serve` derives one flag per knob from the same
 declaration, in vLLM's spelling (`max_num_seqs` is `--max-num-seqs`).
@@ -27,6 +28,7 @@ from kvlab.analysis.contiguous import ARENAS as RESERVATION_ARENAS
 from kvlab.analysis.contiguous import POLICIES as RESERVATION_POLICIES
 from kvlab.cache.attention_backends import ATTENTION_BACKENDS
 from kvlab.cache.kv_storage import resolve_kv_cache_dtype
+from kvlab.kv_transfer.config import KVTransferConfig
 from kvlab.spec_decode.config import SpeculativeConfig
 from kvlab.validation import check_int, check_positive_int, is_integer
 
@@ -105,6 +107,15 @@ def _dtype(name, value):
 
 def _speculative(name, value):
     return None if value is None else SpeculativeConfig.from_dict(value)
+
+
+def _kv_transfer(name, value):
+    """None, or a KVTransferConfig from itself, a dict with vLLM's keys or their JSON."""
+    return None if value is None else KVTransferConfig.from_value(value)
+
+
+# Knobs that are whole configs of their own, beside the three parts: name -> how a value becomes one.
+SUB_CONFIGS = {"speculative_config": _speculative, "kv_transfer_config": _kv_transfer}
 
 
 class _Checked:
@@ -218,12 +229,13 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     @classmethod
     def knob_names(cls) -> dict[str, str]:
         """Every flat knob name -> the part that holds it."""
         names = {f.name: part for part, config in PARTS.items() for f in fields(config)}
-        names["speculative_config"] = "speculative_config"
+        names.update({name: name for name in SUB_CONFIGS})
         return names
 
     @classmethod
@@ -243,10 +255,10 @@ class EngineConfig:
                              f"kvlab knows {', '.join(names)}")
         parts = {part: {} for part in PARTS}
         for name, value in knobs.items():
-            if name != "speculative_config":
+            if name not in SUB_CONFIGS:
                 parts[names[name]][name] = value
         return cls(**{part: PARTS[part](**values) for part, values in parts.items()},
-                   speculative_config=_speculative("speculative_config", knobs.get("speculative_config")))
+                   **{name: make(name, knobs.get(name)) for name, make in SUB_CONFIGS.items()})
 
     def replace(self, **knobs) -> "EngineConfig":
         """A copy with some flat knobs changed (each checked again)."""
@@ -259,14 +271,16 @@ class EngineConfig:
             mine = {k: v for k, v in knobs.items() if names[k] == part}
             if mine:
                 changes[part] = replace(getattr(self, part), **mine)
-        if "speculative_config" in knobs:
-            changes["speculative_config"] = _speculative("speculative_config", knobs["speculative_config"])
+        for name, make in SUB_CONFIGS.items():
+            if name in knobs:
+                changes[name] = make(name, knobs[name])
         return replace(self, **changes)
 
     def as_kwargs(self) -> dict:
         """The flat knobs, as from_kwargs takes them."""
         out = {f.name: getattr(getattr(self, part), f.name) for part, config in PARTS.items() for f in fields(config)}
         out["speculative_config"] = self.speculative_config
+        out["kv_transfer_config"] = self.kv_transfer_config
         return out
 
     # ----- the command line -----
@@ -294,6 +308,10 @@ class EngineConfig:
             "--speculative-config", type=parse_json_object, default=None,
             help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
                  '"num_speculative_tokens": 3}\'')
+        parser.add_argument_group("kv transfer config", KVTransferConfig.__doc__).add_argument(
+            "--kv-transfer-config", type=parse_json_object, default=None,
+            help='a KV connector as JSON with vLLM\'s keys, e.g. \'{"kv_connector": "OffloadingConnector", '
+                 '"kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 1073741824}}\'')
         return parser
 
     @classmethod

@@ -71,3 +71,23 @@ def check_hybrid_config(config) -> None:
         raise ValueError(f"this model has sliding-window layers, which kvlab serves with the hybrid KV cache manager; "
                          f"it does not support {', '.join(refused)}: leave them out, or give "
                          f"disable_hybrid_kv_cache_manager=True to keep every layer's blocks")
+
+
+def check_kv_transfer_config(config, hybrid: bool) -> None:
+    """Refuse, before anything is built, the knobs kvlab's KV connectors do not combine with."""
+    if config.kv_transfer_config is None:
+        return
+    refused = []
+    if hybrid:
+        refused.append("a model with sliding-window layers (one block table per group)")
+    if config.speculative_config is not None:
+        refused.append("speculative_config (draft tokens)")
+    if config.scheduler_config.preemption_mode != "recompute":
+        refused.append(f"preemption_mode={config.scheduler_config.preemption_mode!r} (give 'recompute')")
+    if config.scheduler_config.reservation_policy is not None:
+        refused.append(f"reservation_policy={config.scheduler_config.reservation_policy!r} (Orca's reservations)")
+    if config.cache_config.kv_cache_dtype != "auto":
+        refused.append(f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r} (the connector copies no scales)")
+    if refused:
+        raise ValueError(f"kv_transfer_config ({config.kv_transfer_config.kv_connector}) does not support "
+                         f"{', '.join(refused)}: leave them out, or leave kv_transfer_config out")

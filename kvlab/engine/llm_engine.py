@@ -40,6 +40,7 @@ from kvlab.engine.config import EngineConfig
 from kvlab.engine.input_processor import InputProcessor
 from kvlab.engine.kv_cache_utils import (
     check_hybrid_config,
+    check_kv_transfer_config,
     determine_num_blocks,
     kv_block_bytes,
     resolve_max_model_len,
@@ -51,6 +52,7 @@ from kvlab.engine.request import Request, RequestOutput, RequestStatus
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.stats import EngineStats, StepRecord
+from kvlab.kv_transfer import KVConnectorFactory, KVConnectorRole
 from kvlab.model.config import eos_token_ids
 from kvlab.spec_decode.draft_model import load_draft_model
 
@@ -74,6 +76,7 @@ class LLMEngine:
         self.kv_cache_groups = groups if is_hybrid(groups) else None
         if self.kv_cache_groups is not None:
             check_hybrid_config(config)
+        check_kv_transfer_config(config, self.kv_cache_groups is not None)
         self.block_bytes = kv_block_bytes(model, cache_config.kv_cache_dtype, cache_config.block_size, draft_model,
                                           self.kv_cache_groups)
         self.num_blocks = determine_num_blocks(cache_config, scheduler_config.max_num_seqs, self.max_model_len,
@@ -93,21 +96,37 @@ class LLMEngine:
                                                    reservation_arena=make_arena(scheduler_config.reservation_arena,
                                                                                 self.num_blocks)
                                                    if scheduler_config.reservation_arena else None)
+        # A KV connector is built twice, as in vLLM: its scheduler half here, its worker half in the runner.
+        kv_connector = {role: self._make_connector(role) for role in KVConnectorRole} \
+            if config.kv_transfer_config is not None else {}
         self.scheduler = Scheduler(self.kv_cache_manager, scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, scheduler_config.preemption_mode,
                                    cache_config.cpu_blocks_for(self.num_blocks) if
                                    scheduler_config.preemption_mode == "swap" else 0,
                                    spec.num_lookahead_tokens if spec else 0,
-                                   spec.num_speculative_tokens if spec else 0)
+                                   spec.num_speculative_tokens if spec else 0,
+                                   kv_connector.get(KVConnectorRole.SCHEDULER))
         self.model_runner = ModelRunner.from_config(model, config, self.num_blocks, draft_model,
                                                     max_model_len=self.max_model_len,
-                                                    kv_cache_groups=self.kv_cache_groups)
+                                                    kv_cache_groups=self.kv_cache_groups,
+                                                    kv_connector=kv_connector.get(KVConnectorRole.WORKER))
         self.eos_token_ids = frozenset(eos_token_ids(model))
         self.step_count = 0
         self.num_tokens_computed = 0                 # token positions run through the model, recomputes included
         self.num_tokens_wasted = 0                   # positions computed for requests already finished
         self.history: list[StepRecord] = []          # one record per step, for the timeline widget
         self._arrivals = 0
+
+    def _make_connector(self, role):
+        """One half of the configured KV connector, sized for this engine's blocks."""
+        return KVConnectorFactory.create_connector(self.config.kv_transfer_config, role,
+                                                   block_size=self.config.cache_config.block_size,
+                                                   bytes_per_block=self.block_bytes)
+
+    @property
+    def kv_connector(self):
+        """The scheduler's half of the KV connector (its tier's bookkeeping), or None."""
+        return self.scheduler.connector
 
     # ----- the configuration, read back -----
     @property

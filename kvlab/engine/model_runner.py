@@ -9,14 +9,16 @@ seeded generator), which the scheduler's output brings up to date each step, so 
 scheduler's Request objects. Each step it
 
   1. updates that state: forgets finished requests, adds new ones, appends (or replaces) block ids;
-  2. carries out the copy orders (swap preemption's copies out to the CPU pool and back);
+  2. carries out the copy orders (swap preemption's copies out to the CPU pool and back) and has a KV
+     connector (kvlab.kv_transfer) load the step's external K/V;
   3. lays every scheduled request's new tokens end to end and runs the model once (no padding);
   4. samples the next token of every request whose new tokens reach its end (a prefill chunk that does
      not finish its prompt samples nothing), or verifies its draft tokens with the rejection sampler;
   5. proposes the next drafts (n-gram lookup, or a draft model on its own pools under the same block ids).
 
-It returns the tokens in a ModelRunnerOutput; appending them, the stop rules and the rollback of
-rejected drafts are the scheduler's (Scheduler.update_from_output).
+After the pass the connector saves what the step filled (vLLM's KVConnectorModelRunnerMixin brackets the
+forward pass the same way). It returns the tokens in a ModelRunnerOutput; appending them, the stop rules
+and the rollback of rejected drafts are the scheduler's (Scheduler.update_from_output).
 """
 
 from dataclasses import dataclass
@@ -55,6 +57,11 @@ class CachedRequestState:
         return len(self.token_ids) - self.prompt_len
 
 
+def _layer_name(layer: int) -> str:
+    """A layer's name for the connector's per-layer hooks (the module path of its attention in the HF models)."""
+    return f"model.layers.{layer}.self_attn"
+
+
 def _own_tables(block_ids):
     """The runner's own copy of a block table, or of each group's (a tuple) for a hybrid model."""
     return list(block_ids) if isinstance(block_ids, list) else tuple(list(table) for table in block_ids)
@@ -65,7 +72,7 @@ class ModelRunner:
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int | None = None, seed: int = 0,
                  drafter: NgramProposer | DraftModelProposer | None = None, swap_space: SwapSpace | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, kv_connector=None):
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len if max_model_len is not None else int(model.config.max_position_embeddings)
@@ -73,6 +80,9 @@ class ModelRunner:
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.swap_space = swap_space
+        self.kv_connector = kv_connector  # its worker half, registered with this cache
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(cache)
         self.requests: dict[str, CachedRequestState] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> its drafts' distributions [k, V]
         self.num_forward_passes = 0
@@ -80,9 +90,10 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, model, config, num_blocks: int, draft_model=None,
-                    max_model_len: int | None = None, kv_cache_groups=None) -> "ModelRunner":
+                    max_model_len: int | None = None, kv_cache_groups=None, kv_connector=None) -> "ModelRunner":
         """The runner an EngineConfig describes, with its pools (and a draft model's, and the swap space) allocated;
-        kv_cache_groups: a hybrid model's groups (its layers then read through their group's block table)."""
+        kv_cache_groups: a hybrid model's groups (its layers then read through their group's block table);
+        kv_connector: a KV connector's worker half, given the pools."""
         cache_config, spec = config.cache_config, config.speculative_config
         if kv_cache_groups is not None:
             cache = HybridPagedCache.for_model(model, kv_cache_groups, num_blocks,
@@ -107,7 +118,7 @@ class ModelRunner:
             swap_space = SwapSpace(cache, cache_config.cpu_blocks_for(num_blocks), extra)
         return cls(model, cache, max_model_len or config.model_config.max_model_len, config.model_config.seed, drafter,
                    swap_space,
-                   spec.num_speculative_tokens if spec is not None else 0)
+                   spec.num_speculative_tokens if spec is not None else 0, kv_connector)
 
     # ----- one step -----
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -117,8 +128,12 @@ class ModelRunner:
             self.swap_space.swap_out(scheduler_output.blocks_to_swap_out)
         if scheduler_output.blocks_to_swap_in:
             self.swap_space.swap_in(scheduler_output.blocks_to_swap_in)
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            connector.start_load_kv()
         if not scheduler_output.num_scheduled_tokens:
-            return ModelRunnerOutput()
+            return self._finish_connector(ModelRunnerOutput(), scheduler_output)
 
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         states, chunks, logits_indices, samples = [], [], [], []
@@ -133,8 +148,17 @@ class ModelRunner:
             if samples[-1]:  # vLLM's logits_indices: the rows whose logits are kept, 1 + drafts per sampling request
                 logits_indices.extend(range(end - 1 - len(drafts), end))
             states.append(state)
+        if connector is not None:
+            # forward_batch runs every layer in one call, so the per-layer hooks come around it: every layer's
+            # loads are in before the pass, and every layer's K/V is written when the pass returns.
+            for layer in range(self.cache.num_layers):
+                connector.wait_for_layer_load(_layer_name(layer))
         logits, _ = forward_batch(self.model, self.cache, chunks, logits_indices)
         self.num_forward_passes += 1
+        if connector is not None:
+            for layer in range(self.cache.num_layers):
+                connector.save_kv_layer(_layer_name(layer), (self.cache.k_pools[layer], self.cache.v_pools[layer]),
+                                        None)
 
         sampled = self._sample(states, samples, spec_tokens, logits)
         for state, n, tokens in zip(states, scheduler_output.num_scheduled_tokens.values(), sampled):
@@ -143,9 +167,20 @@ class ModelRunner:
                 state.token_ids.extend(tokens)
             else:
                 state.num_computed_tokens += n
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
-                                 spec_token_ids=self._propose(states, sampled) if self.drafter else None,
-                                 num_forward_passes=1)
+        output = ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
+                                   spec_token_ids=self._propose(states, sampled) if self.drafter else None,
+                                   num_forward_passes=1)
+        return self._finish_connector(output, scheduler_output) if connector is not None else output
+
+    def _finish_connector(self, output: ModelRunnerOutput, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The connector's end of step: its saves done, the copies that finished reported, its metadata dropped."""
+        connector = self.kv_connector
+        if connector is None:
+            return output
+        connector.wait_for_save()
+        output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
+        connector.clear_connector_metadata()
+        return output
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Bring the per-request state up to date with what the scheduler did since the last step."""

@@ -21,6 +21,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)   # [] for a prompt chunk that samples nothing
     spec_token_ids: list[list[int]] | None = None                      # next step's drafts, with speculation on
     num_forward_passes: int = 0                                         # of the target model, this step (0 or 1)
+    # A KV connector's asynchronous copies that finished (vLLM's KVConnectorOutput): None when all finish in-step.
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

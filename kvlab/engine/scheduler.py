@@ -30,6 +30,14 @@ Scheduler.schedule reads the numbers off its queues and the KVCacheManager, asks
 carries out what they decide. A model with sliding-window layers brings a HybridKVCacheManager
 (kvlab.core.hybrid_kv_cache_manager, Chapter 11) under the same calls: block ids then go to the runner as one
 table per KV-cache group, and after every step the windows give back the blocks no later query reads.
+
+A KV connector (kvlab.kv_transfer, given as kv_connector) is called where vLLM V1's scheduler calls it: at
+admission, after the GPU prefix-cache hit, get_num_new_matched_tokens says how many further tokens it can
+load (they take blocks but no token budget) and update_state_after_alloc hears which blocks they land in;
+at the end of schedule(), build_connector_meta puts the step's copy orders on the output; after the step,
+update_connector_output; and request_finished when a request stops or is aborted. vLLM also lets a load
+outlast a step (the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks); kvlab's loads finish
+within the step, so a connector that asks for that is refused.
 """
 
 from collections import deque
@@ -94,11 +102,13 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str = "recompute", num_cpu_blocks: int = 0, num_lookahead_tokens: int = 0,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, kv_connector=None):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
         self.kv = kv_cache_manager
+        # The scheduler's half of a KV connector (kvlab.kv_transfer), called where vLLM V1's scheduler calls it.
+        self.connector = kv_connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -166,6 +176,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating cache slots for every scheduled token."""
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._schedule(out)
+        if self.connector is not None:  # after every allocation: the step's loads and saves, for the worker
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         self._finished_req_ids = set()
         running = list(self.running)
         # The budget goes to the running requests first, in admission order.
@@ -192,7 +208,7 @@ class Scheduler:
             if n and (not preempted or request.request_id not in preempted):
                 self._allocate(request, n, out, lookahead=lookahead)
         if out.preempted_req_ids:
-            return out  # no room to spare this step: admit nobody
+            return  # no room to spare this step: admit nobody
         budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             n = self._swap_in(self.swapped[0], budget, out)
@@ -206,7 +222,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             budget -= n
-        return out
 
     def _blocks_freed_by_preemption(self) -> list[int]:
         """Per running request, the blocks that preempting it returns to the pool once every later one is preempted.
@@ -329,20 +344,41 @@ class Scheduler:
         """Admit the request at the front of the waiting queue if its first chunk fits; its tokens, or None."""
         # A re-admitted (recompute-preempted) request looks up its prompt *and* outputs: the blocks it
         # freed may still be cached, which makes the recompute cheaper.
-        hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
-        n = next_chunk_size(request.num_tokens - num_cached, budget)
-        lookahead = self._lookahead(request, n, start=num_cached)
-        if self.kv.num_blocks_to_allocate(request.request_id, n, hits, lookahead) > self.kv.num_free_blocks:
+        rid = request.request_id
+        hits, num_cached = self.kv.get_computed_blocks(rid, request.all_token_ids)
+        # After the GPU hit, a connector may supply the next tokens' K/V (vLLM's external tokens): they take
+        # blocks but no budget, since they are loaded, not computed.
+        num_external = 0
+        if self.connector is not None:
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+            if load_async:
+                raise RuntimeError("the connector asked to load asynchronously (WAITING_FOR_REMOTE_KVS), which "
+                                   "kvlab's scheduler does not do: its connectors load within the step")
+        num_computed = num_cached + num_external
+        n = next_chunk_size(request.num_tokens - num_computed, budget)
+        lookahead = self._lookahead(request, n, start=num_computed)
+        if self.kv.num_blocks_to_allocate(rid, num_external + n, hits, lookahead) > self.kv.num_free_blocks:
             return None
         # An Orca-style reservation must also find one contiguous range, where the manager places them.
-        if request.reserved_len and not self.kv.reserve_range(request.request_id, num_cached + n + lookahead):
+        if request.reserved_len and not self.kv.reserve_range(rid, num_computed + n + lookahead):
             return None
-        request.num_computed_tokens = num_cached
         # The whole prompt was looked up, whatever this step's chunk. A re-admission after a preemption finds its own
         # blocks again, which is no prefix sharing: counted apart, as vLLM V1 does (preempted_queries and
         # preempted_hits of PrefixCacheStats, vllm/v1/metrics/stats.py, outside the exported hit rate).
-        self._allocate(request, n, out, hits, num_query_tokens=request.num_tokens,
-                       preempted=request.num_preemptions > 0)
+        preempted = request.num_preemptions > 0
+        if num_external:
+            # The external tokens' blocks first (hashed and cached like computed ones: the load fills them before
+            # this step's forward pass reads them), then this step's chunk after them.
+            self.kv.allocate_blocks(rid, num_external, hits, new_token_ids=request.token_ids_between(num_cached,
+                                                                                                     num_computed),
+                                    num_query_tokens=request.num_tokens, preempted=preempted)
+            request.num_computed_tokens = num_computed
+            self._allocate(request, n, out, lookahead=lookahead)
+        else:
+            request.num_computed_tokens = num_cached
+            self._allocate(request, n, out, hits, num_query_tokens=request.num_tokens, preempted=preempted)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, self.kv.get_block_ids(rid), num_external)
         self._admitted(request, hits)
         out.admitted.append(request.request_id)
         return n
@@ -407,6 +443,8 @@ class Scheduler:
         """Apply the runner's tokens: append them up to a stop, roll back rejected drafts, keep the new drafts, and
         release the requests that finished. Returns one EngineCoreOutput per request that got tokens."""
         self.last_rollbacks = {}
+        if self.connector is not None:
+            self.connector.update_connector_output(runner_output.finished_sending, runner_output.finished_recving)
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         requests, sampled = self.requests, runner_output.sampled_token_ids
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -468,6 +506,13 @@ class Scheduler:
         """Release a request that stopped (or was aborted) from whichever queue holds it."""
         rid = request.request_id
         request.spec_token_ids = []
+        if self.connector is not None:
+            # kvlab's connectors finish every save within its step, so no block must outlive its request.
+            delay_free, _ = self.connector.request_finished(request, self.kv.get_block_ids(rid)
+                                                            if rid in self.kv.req_to_blocks else [])
+            if delay_free:
+                raise RuntimeError(f"the connector asked to keep request {rid!r}'s blocks for a save still in "
+                                   "flight, which kvlab's scheduler does not do: its connectors save within the step")
         if request in self.running:
             self._remove_running(request)
             self.kv.free(rid)

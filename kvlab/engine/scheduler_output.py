@@ -13,6 +13,7 @@ a step's output carries only what changed:
     blocks_to_swap_out/in    (device block, CPU block) and (CPU block, device block) copies the runner makes
                              before the forward pass: swap preemption's copy orders
     preempted_req_ids, finished_req_ids   requests the runner drops or parks
+    kv_connector_metadata    a KV connector's orders for its worker half (kvlab.kv_transfer), or None
 
 so that the runner never reads the scheduler's objects, and one output can be logged, replayed or
 sent to another process.
@@ -72,6 +73,7 @@ class SchedulerOutput:
     swapped_in: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)            # first admissions and re-admissions, in order
     finished_req_ids: set[str] = field(default_factory=set)      # finished or aborted since the last step
+    kv_connector_metadata: object = None   # a KV connector's copy orders for the worker (kvlab.kv_transfer)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
