@@ -24,6 +24,10 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
               beam_search, parallel_sampling (Ch 5), hybrid_generate (Ch 11)
   spec_decode/ speculative decoding's proposers (vLLM's v1/spec_decode): config, ngram_proposer,
               draft_model, metrics (Ch 8)
+  kv_offload/ tiers behind the GPU pool (vLLM's v1/kv_offload): the OffloadingManager with LRU and ARC
+              eviction, a CPU tier and a disk tier (checksummed safetensors files), block movers (worker)
+  kv_transfer/ the KV connector API (vLLM's distributed/kv_transfer): base, config (KVTransferConfig),
+              factory, offloading_connector (the CPU tier behind the prefix cache)
   engine/     the serving engine (Ch 6), in vLLM V1's parts: config (EngineConfig and its Model/Cache/Scheduler
               parts), kv_cache_utils (pool sizing), sampling_params, request, input_processor, scheduler
               (its rules as pure functions; owns request state), scheduler_output (what the scheduler hands the
