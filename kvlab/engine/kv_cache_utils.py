@@ -57,8 +57,9 @@ def determine_num_blocks(cache_config, max_num_seqs: int, max_model_len: int, by
     return max(full, min(max_num_seqs * full, DEFAULT_POOL_BYTES // bytes_per_block))
 
 
-def check_hybrid_config(config) -> None:
-    """Refuse, before anything is built, the knobs kvlab's hybrid KV cache manager does not serve."""
+def _one_table_knobs(config) -> list[str]:
+    """The knobs set in config that need a request's blocks in one table of the device pool: draft tokens, swap and
+    Orca's reservations. Neither the hybrid KV cache manager nor the KV connectors serve them."""
     scheduler_config = config.scheduler_config
     refused = []
     if config.speculative_config is not None:
@@ -67,6 +68,12 @@ def check_hybrid_config(config) -> None:
         refused.append(f"preemption_mode={scheduler_config.preemption_mode!r} (vLLM V1 recomputes only)")
     if scheduler_config.reservation_policy is not None:
         refused.append(f"reservation_policy={scheduler_config.reservation_policy!r} (Orca's contiguous reservations)")
+    return refused
+
+
+def check_hybrid_config(config) -> None:
+    """Refuse, before anything is built, the knobs kvlab's hybrid KV cache manager does not serve."""
+    refused = _one_table_knobs(config)
     if refused:
         raise ValueError(f"this model has sliding-window layers, which kvlab serves with the hybrid KV cache manager; "
                          f"it does not support {', '.join(refused)}: leave them out, or give "
@@ -77,15 +84,8 @@ def check_kv_transfer_config(config, hybrid: bool) -> None:
     """Refuse, before anything is built, the knobs kvlab's KV connectors do not combine with."""
     if config.kv_transfer_config is None:
         return
-    refused = []
-    if hybrid:
-        refused.append("a model with sliding-window layers (one block table per group)")
-    if config.speculative_config is not None:
-        refused.append("speculative_config (draft tokens)")
-    if config.scheduler_config.preemption_mode != "recompute":
-        refused.append(f"preemption_mode={config.scheduler_config.preemption_mode!r} (give 'recompute')")
-    if config.scheduler_config.reservation_policy is not None:
-        refused.append(f"reservation_policy={config.scheduler_config.reservation_policy!r} (Orca's reservations)")
+    refused = ["a model with sliding-window layers (one block table per group)"] if hybrid else []
+    refused += _one_table_knobs(config)
     if config.cache_config.kv_cache_dtype != "auto":
         refused.append(f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r} (the connector copies no scales)")
     if refused:
