@@ -80,6 +80,8 @@ class KVCacheManager(PooledBlockManager):
         self._req_tail: dict[object, list[int]] = {}
         self._req_extra_keys: dict[object, Hashable | None] = {}
         self._req_drafts: dict[object, list[int]] = {}  # each request's unverified draft tokens, not hashed yet
+        # Tokens whose blocks wait to be cached until an asynchronous load has filled them (delay_cache_blocks).
+        self._req_delayed: dict[object, list[int]] = {}
         # Prompt tokens looked up when requests were admitted (the whole prompt, however it is chunked), and of
         # those, the ones served from the cache; re-admissions after a preemption are counted apart.
         self.queries = 0
@@ -182,9 +184,14 @@ class KVCacheManager(PooledBlockManager):
     def allocate_blocks(self, request_id, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = (),
                         new_token_ids: Sequence[int] | None = None, extra_keys: Hashable | None = None,
                         num_draft_tokens: int = 0, num_lookahead_tokens: int = 0,
-                        num_query_tokens: int | None = None, preempted: bool = False) -> None:
+                        num_query_tokens: int | None = None, preempted: bool = False,
+                        delay_cache_blocks: bool = False) -> None:
         """allocate_slots without the slot mapping: the scheduler's call, as in vLLM V1, where the model runner
-        computes each step's slots from the block tables it is sent (vllm/v1/worker/block_table.py)."""
+        computes each step's slots from the block tables it is sent (vllm/v1/worker/block_table.py).
+
+        delay_cache_blocks: the new tokens' K/V arrive by an asynchronous load (a KV connector's), so their blocks
+        are cached only when cache_blocks says the load is done: until then another request must not hit them.
+        """
         if computed_blocks:
             computed_blocks = list(computed_blocks)
         blocks = self.req_to_blocks.get(request_id)
@@ -201,6 +208,10 @@ class KVCacheManager(PooledBlockManager):
                              f"got {num_draft_tokens!r}")
         if num_draft_tokens and new_token_ids is None:
             raise ValueError("draft tokens need new_token_ids: the accepted ones are hashed after verification")
+        if delay_cache_blocks and (num_draft_tokens or new_token_ids is None and self.enable_prefix_caching):
+            raise ValueError("delay_cache_blocks is for loaded prompt tokens: give new_token_ids and no drafts")
+        if blocks is not None and self._req_delayed.get(request_id):
+            raise ValueError(f"request {request_id!r} still waits for a load: call cache_blocks before allocating more")
         if blocks is not None and self._req_drafts[request_id]:
             raise ValueError(f"request {request_id!r} still has {len(self._req_drafts[request_id])} unverified draft "
                              f"tokens: call rollback_draft_tokens after verifying them, before allocating more")
@@ -248,8 +259,25 @@ class KVCacheManager(PooledBlockManager):
         verified = num_new_tokens - num_draft_tokens
         if num_draft_tokens:
             self._req_drafts[request_id] = [int(t) for t in new_token_ids[verified:]]
-        if self.enable_prefix_caching:
+        if delay_cache_blocks:
+            if self.enable_prefix_caching:
+                self._req_delayed[request_id] = [int(t) for t in new_token_ids]
+        elif self.enable_prefix_caching:
             self._cache_filled_blocks(request_id, new_token_ids[:verified] if num_draft_tokens else new_token_ids)
+
+    def cache_blocks(self, request_id, num_tokens: int | None = None) -> None:
+        """A load allocated with delay_cache_blocks has finished: cache the blocks its tokens fill, all of them or only
+        those within the request's first num_tokens tokens (a load that failed part-way; the rest are dropped)."""
+        self._check_running(request_id, "cache the blocks of")
+        delayed = self._req_delayed.pop(request_id, [])
+        if num_tokens is not None:
+            first = self.num_tokens[request_id] - len(delayed)
+            if not is_integer(num_tokens) or num_tokens < first:
+                raise ValueError(f"num_tokens must be at least the tokens before the load ({first}), got "
+                                 f"{num_tokens!r}")
+            delayed = delayed[:num_tokens - first]
+        if delayed:
+            self._cache_filled_blocks(request_id, delayed)
 
     def rollback_draft_tokens(self, request_id, num_accepted_tokens: int, num_lookahead_tokens: int = 0) -> list[int]:
         """After verification: keep the first num_accepted_tokens drafts, drop the rest; returns the freed block ids.
@@ -320,3 +348,4 @@ class KVCacheManager(PooledBlockManager):
             self.arena.free(self._ranges.pop(request_id))
         for table in (self.num_cached_tokens, self._req_hashes, self._req_tail, self._req_extra_keys, self._req_drafts):
             del table[request_id]
+        self._req_delayed.pop(request_id, None)

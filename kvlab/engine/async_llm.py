@@ -26,6 +26,7 @@ from kvlab.engine.request import CompletionOutput, RequestOutput
 from kvlab.engine.sampling_params import RequestOutputKind, SamplingParams
 
 _STOP = object()  # asks the engine thread to end
+_POLL_S = 0.002  # how often an idle engine steps while a KV connector's copy is in flight
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
@@ -109,8 +110,11 @@ class AsyncLLM:
         """The engine thread: calls that arrived, then a step while any request is unfinished; sleep when idle."""
         engine = self.engine
         while True:
+            busy = engine.has_schedulable_requests()
+            # Only a KV connector's copy in flight: poll it every couple of milliseconds rather than spin.
+            polling = not busy and engine.has_pending_kv_transfers()
             try:
-                item = self._calls.get(block=not engine.has_unfinished_requests())
+                item = self._calls.get(block=not busy, timeout=_POLL_S if polling else None)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -126,7 +130,7 @@ class AsyncLLM:
                     item = self._calls.get_nowait()
                 except queue.Empty:
                     item = None
-            if not engine.has_unfinished_requests():
+            if not engine.has_schedulable_requests() and not engine.has_pending_kv_transfers():
                 continue
             try:
                 outputs = engine.step()

@@ -110,6 +110,10 @@ class LLMEngine:
                                                     max_model_len=self.max_model_len,
                                                     kv_cache_groups=self.kv_cache_groups,
                                                     kv_connector=kv_connector.get(KVConnectorRole.WORKER))
+        if kv_connector:  # vLLM's handshake: the workers' addresses reach the scheduler's half, for kv_transfer_params
+            metadata = kv_connector[KVConnectorRole.WORKER].get_handshake_metadata()
+            if metadata is not None:
+                kv_connector[KVConnectorRole.SCHEDULER].set_xfer_handshake_metadata(metadata)
         self.eos_token_ids = frozenset(eos_token_ids(model))
         self.step_count = 0
         self.num_tokens_computed = 0                 # token positions run through the model, recomputes included
@@ -236,6 +240,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step has work besides polling a KV connector: a request running, waiting or swapped out."""
+        return self.scheduler.has_schedulable_requests()
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether a KV connector's copy is in flight (a load, or a save a peer has yet to pull): keep stepping."""
+        return self.scheduler.has_pending_kv_transfers()
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads and sockets, if one is configured (a server's last call)."""
+        for connector in (self.scheduler.connector, self.model_runner.kv_connector):
+            if connector is not None:
+                connector.shutdown()
 
     def is_running(self, request_id) -> bool:
         """Whether the request was added and some completion of it has not finished yet."""

@@ -179,6 +179,7 @@ class ModelRunner:
             return output
         connector.wait_for_save()
         output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
+        output.invalid_block_ids = connector.get_block_ids_with_load_errors() or None
         connector.clear_connector_metadata()
         return output
 

@@ -90,6 +90,7 @@ class RequestState:
     children: list[str]
     completions: list[CompletionState]
     stop: StopStrings | None
+    kv_transfer_params: dict | None = None  # a KV connector's params for a peer, once the request finished
 
     @property
     def finished(self) -> bool:
@@ -137,6 +138,8 @@ class OutputProcessor:
             parent, index = self.child_to_parent[out.request_id]
             state = self.requests[parent]
             completion = state.completions[index]
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if completion.finish_reason is not None:  # already ended by a stop string
                 continue
             if not completion.token_ids:
@@ -222,7 +225,8 @@ class OutputProcessor:
                 c.sent_tokens += len(token_ids)
             completions.append(CompletionOutput(i, text, list(token_ids), c.finish_reason, stop_reason=c.stop_reason))
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
-                             outputs=completions, finished=state.finished)
+                             outputs=completions, finished=state.finished,
+                             kv_transfer_params=state.kv_transfer_params)
 
 
 def finish_reason(status: RequestStatus) -> str | None:

@@ -24,6 +24,7 @@ class ModelRunnerOutput:
     # A KV connector's asynchronous copies that finished (vLLM's KVConnectorOutput): None when all finish in-step.
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] | None = None  # blocks whose load failed: their tokens are recomputed
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -42,6 +43,7 @@ class EngineCoreOutput:
     status: RequestStatus
     num_draft_tokens: int = 0        # drafts verified for it this step
     num_accepted_tokens: int = 0     # of which were accepted
+    kv_transfer_params: dict | None = None  # a KV connector's params for a peer, on a request's last output
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from kvlab.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"          # not admitted yet
+    WAITING_FOR_REMOTE_KVS = "waiting for remote KVs"  # holds blocks a KV connector's load is filling
     RUNNING = "running"          # admitted: holds blocks, prefilling in chunks or decoding
     PREEMPTED = "preempted"      # blocks freed (recompute): back at the front of the waiting queue
     SWAPPED = "swapped"          # blocks copied to the CPU pool (swap): waits to be copied back
@@ -50,6 +51,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Tokens whose blocks are reserved at admission (an Orca-style baseline); 0: blocks as tokens come (paging).
         self.reserved_len = 0
+        # A KV connector's params from the client (vLLM reads them from sampling_params.extra_args too).
+        self.kv_transfer_params: dict | None = (params.extra_args or {}).get("kv_transfer_params")
 
     @property
     def max_len(self) -> int:
@@ -126,6 +129,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    kv_transfer_params: dict | None = None  # what a KV connector tells a peer (a prefill server's block ids, say)
 
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",

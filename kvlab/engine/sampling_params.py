@@ -39,6 +39,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     min_tokens: int = 0           # new tokens at least: until then EOS and stop_token_ids cannot be drawn, stop
                                   # strings are not looked for (vLLM's semantics)
+    extra_args: dict | None = None  # for plug-ins, as vLLM's: a KV connector reads "kv_transfer_params" here
 
     def __post_init__(self):
         check_positive_int("n", self.n)
@@ -64,6 +65,11 @@ class SamplingParams:
         if any(not isinstance(t, str) or not t for t in strings):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = strings
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+        params = (self.extra_args or {}).get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"extra_args['kv_transfer_params'] must be a dict, got {params!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

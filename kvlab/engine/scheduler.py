@@ -35,9 +35,22 @@ A KV connector (kvlab.kv_transfer, given as kv_connector) is called where vLLM V
 admission, after the GPU prefix-cache hit, get_num_new_matched_tokens says how many further tokens it can
 load (they take blocks but no token budget) and update_state_after_alloc hears which blocks they land in;
 at the end of schedule(), build_connector_meta puts the step's copy orders on the output; after the step,
-update_connector_output; and request_finished when a request stops or is aborted. vLLM also lets a load
-outlast a step (the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks); kvlab's loads finish
-within the step, so a connector that asks for that is refused.
+update_connector_output; and request_finished when a request stops or is aborted.
+
+Copies may outlast a step, as in vLLM V1 (vllm/v1/core/sched/scheduler.py):
+
+* a load the connector does asynchronously (load_async) parks the request in WAITING_FOR_REMOTE_KVS: it
+  holds the blocks the load writes, which nobody can hit in the prefix cache yet, and takes no budget. When
+  the worker reports the load finished (finished_recving) the blocks are cached and the request waits again
+  at the front of the queue, its loaded tokens computed. Blocks whose load failed (invalid_block_ids) are
+  recomputed: the blocks before the first failed one are kept through the prefix cache, and the request asks
+  the connector nothing more;
+* a request the connector must still read from when it finishes (request_finished answers delay_free, as a
+  prefill server's does until the decode server has pulled its blocks) keeps its blocks until the worker
+  reports the save finished (finished_sending). The params request_finished returns go out with its last
+  output (kv_transfer_params);
+* a request aborted while its load is in flight keeps its blocks until the load ends, so no copy lands in a
+  block that another request has since been given.
 """
 
 from collections import deque
@@ -143,6 +156,16 @@ class Scheduler:
         # A hybrid model's manager gives back the blocks its windows have left after every step (vLLM does it at
         # the request's next allocation; kvlab does it as soon as the step's tokens are computed).
         self._remove_skipped = getattr(kv_cache_manager, "remove_skipped_blocks", None)
+        # A KV connector's copies in flight: requests waiting for a load (id -> the hits they were admitted with),
+        # finished requests whose blocks a save still reads, aborted ones whose load has not ended, and requests
+        # whose load failed (they recompute, asking the connector nothing more).
+        self.waiting_for_remote_kvs: dict[str, tuple[Request, list]] = {}
+        self._free_after_save: set[str] = set()
+        self._free_after_load: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._invalid_block_ids: set[int] = set()  # blocks whose load failed, for requests still waiting on it
+        self._admission_hits: dict[str, list] = {}  # loaded requests' hits, for when they join the running list
+        self.num_failed_loads = 0
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -166,11 +189,21 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a request runs, waits or is swapped out (those waiting for a load only wait)."""
         return bool(self.waiting or self.running or self.swapped)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether a connector's copy is still in flight for a request that holds blocks: the engine keeps stepping
+        (an idle step only polls the connector) until it ends, even with no unfinished request."""
+        return bool(self.waiting_for_remote_kvs or self._free_after_save or self._free_after_load)
+
     def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting): preempted requests wait again, and swapped ones wait to be swapped back in."""
-        return len(self.running), len(self.waiting) + len(self.swapped)
+        """(running, waiting): preempted requests wait again, swapped ones wait to be swapped back in, and loading
+        ones wait for their K/V."""
+        return len(self.running), len(self.waiting) + len(self.swapped) + len(self.waiting_for_remote_kvs)
 
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
@@ -345,15 +378,21 @@ class Scheduler:
         # A re-admitted (recompute-preempted) request looks up its prompt *and* outputs: the blocks it
         # freed may still be cached, which makes the recompute cheaper.
         rid = request.request_id
+        if rid in self._admission_hits:  # its asynchronous load finished: it holds its blocks already
+            return self._admit_loaded(request, budget, out)
         hits, num_cached = self.kv.get_computed_blocks(rid, request.all_token_ids)
         # After the GPU hit, a connector may supply the next tokens' K/V (vLLM's external tokens): they take
         # blocks but no budget, since they are loaded, not computed.
-        num_external = 0
-        if self.connector is not None:
+        num_external, load_async = 0, False
+        if self.connector is not None and rid not in self._failed_loads:
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
-            if load_async:
-                raise RuntimeError("the connector asked to load asynchronously (WAITING_FOR_REMOTE_KVS), which "
-                                   "kvlab's scheduler does not do: its connectors load within the step")
+            check_int("get_num_new_matched_tokens", num_external, minimum=0)
+            if num_cached + num_external >= request.num_tokens:
+                raise RuntimeError(f"the connector offered {num_external} tokens of request {rid!r} after "
+                                   f"{num_cached} cached, but at least its last token must be computed "
+                                   f"({request.num_tokens} in all)")
+        if load_async and num_external:
+            return self._start_remote_load(request, hits, num_cached, num_external)
         num_computed = num_cached + num_external
         n = next_chunk_size(request.num_tokens - num_computed, budget)
         lookahead = self._lookahead(request, n, start=num_computed)
@@ -381,6 +420,66 @@ class Scheduler:
             self.connector.update_state_after_alloc(request, self.kv.get_block_ids(rid), num_external)
         self._admitted(request, hits)
         out.admitted.append(request.request_id)
+        return n
+
+    def _start_remote_load(self, request: Request, hits, num_cached: int, num_external: int) -> int | None:
+        """Park a request whose external tokens load asynchronously: their blocks now, uncached; 0 tokens of budget."""
+        rid = request.request_id
+        if self.kv.num_blocks_to_allocate(rid, num_external, hits) > self.kv.num_free_blocks:
+            return None
+        self.kv.allocate_blocks(rid, num_external, hits,
+                                new_token_ids=request.token_ids_between(num_cached, num_cached + num_external),
+                                num_query_tokens=request.num_tokens, preempted=request.num_preemptions > 0,
+                                delay_cache_blocks=True)
+        request.num_computed_tokens = num_cached
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(rid), num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[rid] = (request, list(hits))
+        return 0
+
+    def _finish_remote_loads(self, finished_recving) -> None:
+        """Requests whose loads ended: cache what arrived and queue them again at the front, or free an aborted one."""
+        size = self.kv.block_size
+        for rid in sorted(finished_recving, key=lambda r: self.requests[r].arrival if r in self.requests else 0,
+                          reverse=True):  # appendleft in reverse arrival order keeps the earliest first
+            if rid in self._free_after_load:
+                self._free_after_load.discard(rid)
+                self._invalid_block_ids.difference_update(self.kv.get_block_ids(rid))
+                self.kv.free(rid)
+                continue
+            entry = self.waiting_for_remote_kvs.pop(rid, None)
+            if entry is None:
+                continue
+            request, hits = entry
+            loaded = self.kv.num_tokens[rid]  # the hit plus the loaded tokens
+            table = self.kv.get_block_ids(rid)
+            failed = [i for i, block_id in enumerate(table) if block_id in self._invalid_block_ids]
+            self._invalid_block_ids.difference_update(table)
+            request.status = RequestStatus.WAITING
+            if failed:
+                # Keep the blocks before the first failed one (cached, so the re-admission hits them), drop the rest.
+                self.num_failed_loads += 1
+                self._failed_loads.add(rid)
+                keep = max(failed[0] * size, request.num_computed_tokens)
+                self.kv.cache_blocks(rid, keep)
+                self.kv.free(rid)
+                request.num_computed_tokens = 0
+            else:
+                self.kv.cache_blocks(rid)
+                request.num_computed_tokens = loaded
+                self._admission_hits[rid] = hits
+            self.waiting.appendleft(request)
+
+    def _admit_loaded(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit a request whose load finished: it holds its blocks, and computes the rest of its prompt from there."""
+        rid = request.request_id
+        n = next_chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+        lookahead = self._lookahead(request, n)
+        if self.kv.num_blocks_to_allocate(rid, n, (), lookahead) > self.kv.num_free_blocks:
+            return None
+        self._allocate(request, n, out, lookahead=lookahead)
+        self._admitted(request, self._admission_hits.pop(rid))
+        out.admitted.append(rid)
         return n
 
     def _swap_in(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
@@ -445,6 +544,14 @@ class Scheduler:
         self.last_rollbacks = {}
         if self.connector is not None:
             self.connector.update_connector_output(runner_output.finished_sending, runner_output.finished_recving)
+            if runner_output.invalid_block_ids:  # reported as soon as known, used when the load ends
+                self._invalid_block_ids |= runner_output.invalid_block_ids
+            if runner_output.finished_recving:
+                self._finish_remote_loads(runner_output.finished_recving)
+            for rid in runner_output.finished_sending or ():
+                if rid in self._free_after_save:
+                    self._free_after_save.discard(rid)
+                    self.kv.free(rid)
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         requests, sampled = self.requests, runner_output.sampled_token_ids
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -483,7 +590,12 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.spec_token_ids[i])
             outputs.append(EngineCoreOutput(rid, emitted, request.status, num_drafts, accepted))
         for request in done:  # after every rollback, so blocks go back to the pool in the same order each step
-            self._free(request)
+            params = self._free(request)
+            if params is not None:  # for a peer (a decode server): on the request's last output
+                for output in reversed(outputs):
+                    if output.request_id == request.request_id:
+                        output.kv_transfer_params = params
+                        break
         if self._remove_skipped is not None:
             for rid in scheduler_output.num_scheduled_tokens:
                 request = requests[rid]
@@ -502,26 +614,38 @@ class Scheduler:
             self._free(request)
             request.status = status
 
-    def _free(self, request: Request) -> None:
-        """Release a request that stopped (or was aborted) from whichever queue holds it."""
+    def _free(self, request: Request) -> dict | None:
+        """Release a request that stopped (or was aborted) from whichever queue holds it; returns the params its
+        connector has for a peer (kv_transfer_params), if any."""
         rid = request.request_id
         request.spec_token_ids = []
+        delay_free, params = False, None
         if self.connector is not None:
-            # kvlab's connectors finish every save within its step, so no block must outlive its request.
-            delay_free, _ = self.connector.request_finished(request, self.kv.get_block_ids(rid)
-                                                            if rid in self.kv.req_to_blocks else [])
-            if delay_free:
-                raise RuntimeError(f"the connector asked to keep request {rid!r}'s blocks for a save still in "
-                                   "flight, which kvlab's scheduler does not do: its connectors save within the step")
-        if request in self.running:
+            delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(rid)
+                                                                 if rid in self.kv.req_to_blocks else [])
+        self._admission_hits.pop(rid, None)
+        self._failed_loads.discard(rid)
+        if rid in self.waiting_for_remote_kvs:  # its load still writes into its blocks: free them when it ends
+            del self.waiting_for_remote_kvs[rid]
+            self._free_after_load.add(rid)
+        elif request in self.running:
             self._remove_running(request)
-            self.kv.free(rid)
+            if delay_free:  # a save still reads its blocks: free them when the worker reports it finished
+                self._free_after_save.add(rid)
+            else:
+                self.kv.free(rid)
         elif request in self.swapped:
             self.swapped.remove(request)
             self._free_cpu_blocks(self.cpu_blocks.pop(rid))
         elif request in self.waiting:
             self.waiting.remove(request)
+            if rid in self.kv.req_to_blocks:  # loaded, not yet running again
+                if delay_free:
+                    self._free_after_save.add(rid)
+                else:
+                    self.kv.free(rid)
         if self._runner_table_len.pop(rid, None) is not None:
             self._finished_req_ids.add(rid)  # the runner forgets it at the next step
         self._resumed.discard(rid)
         self._dropped_blocks.pop(rid, None)
+        return params

@@ -75,7 +75,21 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         a connector that finishes every copy within its step."""
         return None, None
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose loads (reported in get_finished) failed since the last call: the scheduler recomputes them."""
+        return set()
+
+    def get_handshake_metadata(self) -> dict | None:
+        """What a peer needs to reach this worker (its address for pulls), collected by the engine once at start."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop any thread or socket the connector runs; called once, when the engine shuts down."""
+
     # ----- scheduler side -----
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        """The workers' handshake metadata (get_handshake_metadata), handed to the scheduler's half once at start."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens after num_computed_tokens the connector can supply, whether it loads them asynchronously)."""
@@ -92,7 +106,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         """After the step: the worker's copies that finished (what get_finished reported)."""
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """A request stopped: (whether its blocks must wait for a save before they are freed, params for a peer)."""
+        """A request stopped: (whether its blocks must wait for a save before they are freed, params for a peer).
+
+        With delay_free the scheduler frees the blocks only once get_finished names the request in finished_sending.
+        """
         return False, None
 
     def _check_role(self, role: KVConnectorRole, call: str) -> None:

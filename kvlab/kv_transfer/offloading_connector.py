@@ -2,7 +2,7 @@
 
 kv_transfer_config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"kv_offloading_size": <bytes>, "eviction_policy": "lru" | "arc",
-                                                    "offload_prompt_only": True}}
+                                                    "offload_prompt_only": True, "async_loads": False}}
 
 Scheduler side: an OffloadingManager (kvlab.kv_offload: LRU or ARC) over a CPUBackend of as many blocks as
 kv_offloading_size bytes hold. At admission, after the GPU prefix-cache hit, the request's next full-block
@@ -16,15 +16,15 @@ Worker side: a host pool [num_blocks, num_layers, 2, block_size, num_kv_heads, h
 kvlab.kv_offload.worker's swap_in / swap_out over the runner's PagedKVCache pools: loads before the forward
 pass (start_load_kv), saves after it (wait_for_save).
 
-Every copy completes within its step here. vLLM's run on a separate CUDA stream: a load may take longer than a
-step, so get_num_new_matched_tokens answers load_async=True, the request waits in WAITING_FOR_REMOTE_KVS
-holding its blocks while other requests run, and is scheduled once the worker's get_finished reports its load
-(finished_recving); saves likewise may still be reading a request's blocks when it finishes, so
-request_finished may delay their freeing until finished_sending names it. kvlab's copies are synchronous
-(host memory on a CPU machine, or a pinned-memory copy that finishes before the pass), so none of that waits.
+Saves complete within their step (wait_for_save copies before the pool can be rewritten). Loads do too by
+default; with async_loads, as vLLM's loads on their own CUDA stream, start_load_kv hands each request's copies
+to a worker thread and returns: get_num_new_matched_tokens answers load_async=True, the request waits in
+WAITING_FOR_REMOTE_KVS holding its blocks while other requests run, and is scheduled once get_finished reports
+its load (finished_recving). Its tier copies stay pinned until then.
 """
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvlab.core.prefix_cache import hash_block_tokens
@@ -35,7 +35,7 @@ from kvlab.kv_transfer.config import KVTransferConfig
 from kvlab.validation import check_block_size, check_positive_int
 
 EVICTION_POLICIES = {"lru": LRUOffloadingManager, "arc": ARCOffloadingManager}
-EXTRA_KEYS = ("kv_offloading_size", "eviction_policy", "offload_prompt_only")
+EXTRA_KEYS = ("kv_offloading_size", "eviction_policy", "offload_prompt_only", "async_loads")
 
 
 @dataclass
@@ -47,8 +47,8 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
-def _extra(config: KVTransferConfig) -> tuple[int, str, bool]:
-    """kv_offloading_size, eviction_policy and offload_prompt_only, checked, each error naming its field."""
+def _extra(config: KVTransferConfig) -> tuple[int, str, bool, bool]:
+    """The connector's four settings (EXTRA_KEYS), checked, each error naming its field."""
     extra = config.kv_connector_extra_config
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
@@ -68,10 +68,13 @@ def _extra(config: KVTransferConfig) -> tuple[int, str, bool]:
     prompt_only = extra.get("offload_prompt_only", True)
     if not isinstance(prompt_only, bool):
         raise ValueError(f"kv_connector_extra_config.offload_prompt_only must be True or False, got {prompt_only!r}")
+    async_loads = extra.get("async_loads", False)
+    if not isinstance(async_loads, bool):
+        raise ValueError(f"kv_connector_extra_config.async_loads must be True or False, got {async_loads!r}")
     if config.kv_role != "kv_both":
         raise ValueError(f"kv_transfer_config.kv_role must be 'kv_both' for OffloadingConnector (it saves and loads "
                          f"its own copies), got {config.kv_role!r}")
-    return size, policy, prompt_only
+    return size, policy, prompt_only, async_loads
 
 
 class OffloadingConnector(KVConnectorBase_V1):
@@ -79,7 +82,7 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int):
         super().__init__(config, role)
-        self.kv_offloading_size, self.eviction_policy, self.offload_prompt_only = _extra(config)
+        self.kv_offloading_size, self.eviction_policy, self.offload_prompt_only, self.async_loads = _extra(config)
         self.block_size = check_block_size(block_size)
         self.bytes_per_block = check_positive_int("bytes_per_block", bytes_per_block)
         self.num_cpu_blocks = num_blocks_for_budget(self.kv_offloading_size, self.bytes_per_block)
@@ -91,15 +94,19 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._requests: dict = {}                       # request id -> the scheduler's Request, while it runs
         self._block_ids: dict[str, list[int]] = {}      # request id -> its block table, as the runner is sent it
         self._hashes: dict[str, list[bytes]] = {}       # request id -> its full blocks' hashes so far
+        self._hit_blocks: dict[str, int] = {}           # request id -> its GPU hit in blocks, at its last lookup
         self._num_stored: dict[str, int] = {}           # request -> blocks from its start already stored or held
         self._step_loads: dict[str, list[tuple[int, int]]] = {}
         self._loading: list[bytes] = []                 # hashes pinned by this step's loads
+        self._loading_by_req: dict[str, list[bytes]] = {}  # async_loads: hashes pinned until a request's load ends
         self._storing: list[bytes] = []                 # hashes being stored by this step's saves
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
         # Worker side.
         self.cache = None
         self.host_pool = None
+        self._executor = None                           # async_loads: the thread that copies, one load at a time
+        self._pending_loads: dict[str, object] = {}     # request id -> its load's future
 
     # ----- scheduler side -----
     def _block_hashes(self, request) -> list[bytes]:
@@ -121,16 +128,23 @@ class OffloadingConnector(KVConnectorBase_V1):
             raise ValueError(f"num_computed_tokens must be a whole number of blocks ({size} tokens), "
                              f"got {num_computed_tokens}")
         first = num_computed_tokens // size
+        self._hit_blocks[request.request_id] = first  # where the external tokens will start
         # At least the last token is computed: the model needs its logits.
         last = (request.num_tokens - 1) // size
         hashes = self._block_hashes(request)[first:last]
         hit = self.manager.lookup(hashes) if hashes else 0
-        return hit * size, False
+        return hit * size, self.async_loads and hit > 0
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         self._check_role(KVConnectorRole.SCHEDULER, "update_state_after_alloc")
         rid, size = request.request_id, self.block_size
-        first = (request.num_computed_tokens - num_external_tokens) // size
+        # From the lookup, not request.num_computed_tokens: a scheduler may update that before or after this call.
+        # Without a lookup (a scheduler that asks nothing more of the connector after a failed load) nothing loads.
+        first = self._hit_blocks.pop(rid, None)
+        if first is None:
+            if num_external_tokens:
+                raise ValueError(f"request {rid!r} has {num_external_tokens} external tokens but was never looked up")
+            first = request.num_computed_tokens // size
         num_blocks = num_external_tokens // size
         self._requests[rid] = request
         self._num_stored[rid] = first + num_blocks  # earlier blocks came from the GPU cache, these from the tier
@@ -139,7 +153,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         hashes = self._block_hashes(request)[first:first + num_blocks]
         spec = self.manager.prepare_load(hashes)
         self.manager.touch(hashes)
-        self._loading += hashes
+        if self.async_loads:
+            self._loading_by_req[rid] = hashes
+        else:
+            self._loading += hashes
         self._step_loads[rid] = list(zip(spec.block_ids, block_ids[first:first + num_blocks]))
         self.num_loaded_blocks += num_blocks
 
@@ -186,16 +203,23 @@ class OffloadingConnector(KVConnectorBase_V1):
         if self._loading:
             self.manager.complete_load(self._loading)
             self._loading = []
+        for rid in finished_recving or ():
+            hashes = self._loading_by_req.pop(rid, None)
+            if hashes:
+                self.manager.complete_load(hashes)
         if self._storing:
             self.manager.complete_store(self._storing)
             self._storing = []
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._check_role(KVConnectorRole.SCHEDULER, "request_finished")
-        for table in (self._requests, self._block_ids, self._hashes):
+        for table in (self._requests, self._block_ids, self._hashes, self._hit_blocks):
             table.pop(request.request_id, None)
         self._num_stored.pop(request.request_id, None)
-        self._step_loads.pop(request.request_id, None)
+        # A load already ordered still runs (its copies stay pinned until get_finished reports it); one that was
+        # not yet sent to the worker never starts, so its copies are unpinned now.
+        if self._step_loads.pop(request.request_id, None) is not None and request.request_id in self._loading_by_req:
+            self.manager.complete_load(self._loading_by_req.pop(request.request_id))
         return False, None
 
     # ----- worker side -----
@@ -218,8 +242,17 @@ class OffloadingConnector(KVConnectorBase_V1):
                                         k_pool.dtype, pin_memory=k_pool.is_cuda)
 
     def start_load_kv(self) -> None:
-        """Copy every load of the step into the GPU pools; it finishes before returning."""
-        pairs = [pair for pairs in self._get_connector_metadata().loads.values() for pair in pairs]
+        """Copy every load of the step into the GPU pools: before returning, or (async_loads) on the copy thread."""
+        loads = self._get_connector_metadata().loads
+        if self.async_loads:
+            if loads and self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-offload")
+            for rid, pairs in loads.items():
+                self._pending_loads[rid] = self._executor.submit(
+                    swap_in, self.host_pool, [c for c, _ in pairs], self.cache.k_pools, self.cache.v_pools,
+                    [g for _, g in pairs])
+            return
+        pairs = [pair for pairs in loads.values() for pair in pairs]
         if pairs:
             swap_in(self.host_pool, [c for c, _ in pairs], self.cache.k_pools, self.cache.v_pools,
                     [g for _, g in pairs])
@@ -238,4 +271,14 @@ class OffloadingConnector(KVConnectorBase_V1):
                      [c for _, c in pairs])
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        """(None, the requests whose asynchronous loads finished since the last call); a failed copy is raised."""
+        done = {rid for rid, future in self._pending_loads.items() if future.done()}
+        for rid in done:
+            self._pending_loads.pop(rid).result()  # a copy that raised is a bug, not a miss: let it surface
+        return None, done or None
+
+    def shutdown(self) -> None:
+        """Finish the loads in flight and stop the copy thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
