@@ -272,7 +272,9 @@ class LLMEngine:
         runner_output = self.model_runner.execute_model(scheduler_output)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process_outputs(engine_core_outputs)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # a stop string ended them
+        params = self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # a stop string ended them
+        if params:  # a connector's params for a peer go out with the request's last output
+            self.output_processor.set_kv_transfer_params(params, outputs)
         self._end_record(record)
         return outputs
 

@@ -193,6 +193,15 @@ class OutputProcessor:
             detok.finish()
         return max(new_from, completion.stop_from)
 
+    def set_kv_transfer_params(self, params: dict[str, dict], outputs: list[RequestOutput]) -> None:
+        """Attach a connector's params (by child id) to their requests, and to those requests' outputs in outputs."""
+        for child, value in params.items():
+            parent = self.child_to_parent[child][0]
+            self.requests[parent].kv_transfer_params = value
+            for output in outputs:
+                if output.request_id == parent:
+                    output.kv_transfer_params = value
+
     def abort(self, request_id: str) -> None:
         """Mark every unfinished completion of a request as aborted."""
         for completion in self.requests[request_id].completions:

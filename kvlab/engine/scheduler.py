@@ -603,16 +603,21 @@ class Scheduler:
                     self._remove_skipped(rid, request.num_computed_tokens)
         return outputs
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Stop requests now (an abort) and release whatever they hold: blocks, CPU blocks, a queue place."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> dict[str, dict]:
+        """Stop requests now (an abort, a stop string) and release whatever they hold: blocks, CPU blocks, a queue
+        place. Returns the kv_transfer_params a connector has for a peer, by request id (most have none)."""
         if not status.finished:
             raise ValueError(f"finish_requests needs a finished status, got {status}")
+        params = {}
         for rid in request_ids:
             request = self.requests[rid]
             if request.status.finished:
                 continue
-            self._free(request)
-            request.status = status
+            request.status = status  # first: the connector's request_finished reads how it ended
+            out = self._free(request)
+            if out is not None:
+                params[rid] = out
+        return params
 
     def _free(self, request: Request) -> dict | None:
         """Release a request that stopped (or was aborted) from whichever queue holds it; returns the params its

@@ -11,6 +11,7 @@ import pytest
 import torch
 from offload_helpers import BLOCK_SIZE, greedy, prompts_fixture, run_one_by_one  # noqa: F401 (a fixture)
 
+from kvlab import SamplingParams
 from kvlab.baselines.transformers_generate import reference_generate
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import RequestStatus
@@ -206,3 +207,25 @@ def test_delayed_free_keeps_blocks_until_the_save_is_reported(embedded, prompts)
     engine.step()
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks, "and go back once it has"
     assert not engine.has_pending_kv_transfers()
+
+
+def test_a_request_ended_by_a_stop_string_still_hands_its_params_on(embedded, prompts):
+    model, tokenizer = embedded
+    engine = LLMEngine(model, tokenizer, kv_transfer_config=async_offloading(), **KNOBS)
+    run_one_by_one(engine, [("probe", prompts["a"])])
+    text = engine.output("probe").outputs[0].text
+    held_for_peer(engine)
+    stop = text[2:5]
+    assert stop.strip(), f"the probe's text {text!r} has a stop string to cut at"
+    engine.add_request("a", prompts["a"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]))
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    assert last.finished and last.outputs[0].finish_reason == "stop", "the stop string ended the request"
+    assert last.kv_transfer_params and last.kv_transfer_params["remote_block_ids"], \
+        "its connector's params reach the last output, as with a request that ran to its length"
+    assert engine.output("a").kv_transfer_params == last.kv_transfer_params
+    PULLED.add("a")
+    engine.step()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
