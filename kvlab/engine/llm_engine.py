@@ -268,6 +268,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, update; returns the outputs of the requests that moved."""
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens and not scheduler_output.preempted_req_ids:
+            # Nothing to run: a step that only polls a KV connector's copies in flight, neither counted nor recorded.
+            self.scheduler.update_from_output(scheduler_output, self.model_runner.execute_model(scheduler_output))
+            return []
         record = self._begin_record(scheduler_output)  # before the update changes what the requests are doing
         runner_output = self.model_runner.execute_model(scheduler_output)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
