@@ -21,12 +21,17 @@ frees its blocks last block first), ahead of every block already free. A cache h
 takes it out of the middle of the queue, which is why the queue is a doubly linked list rather than
 a deque.
 
+With enable_kv_cache_events the pool also records what it does to its prefix cache as vLLM's KV-cache events
+(kvlab.core.kv_events): BlockStored when blocks are cached, BlockRemoved when a cached block is reused,
+AllBlocksCleared when reset_prefix_cache drops them all; take_events hands them over once each.
+
 PooledBlockManager is the part of the block-manager vocabulary (kvlab.core.paging.BaseBlockManager)
 that every manager on a BlockPool shares: Chapter 4's KVCacheManager and Chapter 5's CowBlockManager.
 """
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
+from kvlab.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvlab.core.paging import BaseBlockManager
 from kvlab.validation import check_block_size, check_int, check_positive_int
 
@@ -122,8 +127,12 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All num_blocks KV blocks, a free queue in LRU order, and (with prefix caching) a hash -> block map."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_cache_events: bool = False):
         check_positive_int("num_blocks", num_blocks)
+        if not isinstance(enable_kv_cache_events, bool):
+            raise ValueError(f"enable_kv_cache_events must be True or False, got {enable_kv_cache_events!r}")
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list = []  # events not yet taken (take_events)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -164,6 +173,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.enable_kv_cache_events:
+                    self.kv_event_queue.append(BlockRemoved([block.block_hash]))
             block.block_hash = None
             self.num_evictions += 1
 
@@ -211,26 +222,68 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable]) -> int:
-        """Record the hashes of blocks that just became full; returns how many were newly cached."""
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable],
+                          token_ids: Sequence[int] | None = None, parent_block_hash: Hashable | None = None,
+                          block_size: int | None = None) -> int:
+        """Record the hashes of blocks that just became full; returns how many were newly cached.
+
+        With KV-cache events on, token_ids (the blocks' tokens, block_size each), parent_block_hash (the hash of
+        the block before the first, None at a sequence's start) and block_size describe them for BlockStored.
+        """
         blocks = list(blocks)
         if len(blocks) != len(block_hashes):
             raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
+        if self.enable_kv_cache_events and self.enable_prefix_caching and (
+                block_size is None or token_ids is None or len(token_ids) != len(blocks) * block_size):
+            raise ValueError(f"KV-cache events need each block's tokens: block_size and block_size token ids per "
+                             f"block ({len(blocks)} blocks), got block_size={block_size!r} and "
+                             f"{None if token_ids is None else len(token_ids)} token ids")
         self._check_owned(blocks)
         for block in blocks:
             if block.ref_cnt == 0:
                 raise ValueError(f"block {block.block_id} is free: only a block a request holds can be cached")
         if not self.enable_prefix_caching:
             return 0
+        if any(block_hash is None for block_hash in block_hashes):
+            raise ValueError(f"block {blocks[block_hashes.index(None)].block_id} is given no hash")
         cached = 0
-        for block, block_hash in zip(blocks, block_hashes):
-            if block_hash is None:
-                raise ValueError(f"block {block.block_id} is given no hash")
+        run: list[int] = []  # positions of newly cached blocks in a row, reported as one BlockStored
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
                 cached += 1
+                if self.enable_kv_cache_events:
+                    if run and run[-1] != i - 1:
+                        self._stored(run, block_hashes, token_ids, parent_block_hash, block_size)
+                        run = []
+                    run.append(i)
+        if run:
+            self._stored(run, block_hashes, token_ids, parent_block_hash, block_size)
         return cached
+
+    def _stored(self, run: list[int], block_hashes, token_ids, parent_block_hash, block_size: int) -> None:
+        first, last = run[0], run[-1] + 1
+        parent = block_hashes[first - 1] if first else parent_block_hash
+        self.kv_event_queue.append(BlockStored(list(block_hashes[first:last]), parent,
+                                               [int(t) for t in token_ids[first * block_size:last * block_size]],
+                                               block_size))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, as vLLM's reset_prefix_cache; only when no block is held (False otherwise)."""
+        if self.num_used_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list:
+        """The KV-cache events recorded since the last call, oldest first."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         """The block holding the K/V of this hash's block, or None (a miss)."""
@@ -250,9 +303,10 @@ class PooledBlockManager(BaseBlockManager):
     partly filled last one) go to the front.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 enable_kv_cache_events: bool = False):
         self.block_size = check_block_size(block_size)
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[object, list[KVCacheBlock]] = {}
         self.num_tokens: dict[object, int] = {}
 
@@ -284,6 +338,14 @@ class PooledBlockManager(BaseBlockManager):
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id)))
         del self.num_tokens[request_id]
         self._forget(request_id)
+
+    def take_events(self) -> list:
+        """The pool's KV-cache events since the last call (kvlab.core.kv_events), oldest first."""
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash when no request holds a block (vLLM's reset_prefix_cache); False otherwise."""
+        return self.block_pool.reset_prefix_cache()
 
     def _forget(self, request_id) -> None:
         """Drop whatever else a subclass keeps about a request that was just freed."""

@@ -57,7 +57,8 @@ class KVCacheManager(PooledBlockManager):
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False,
-                 prefix_caching_hash_algo: str = "sha256", reservation_arena=None):
+                 prefix_caching_hash_algo: str = "sha256", reservation_arena=None,
+                 enable_kv_cache_events: bool = False):
         if reservation_arena is not None and (
                 not all(hasattr(reservation_arena, a) for a in ("allocate", "free", "largest_range", "num_slots"))
                 or reservation_arena.num_slots != num_blocks):
@@ -70,7 +71,7 @@ class KVCacheManager(PooledBlockManager):
         # vLLM's --prefix-caching-hash-algo (kvlab.core.prefix_cache): sha256 unless a simulation asks for builtin.
         self.hash_fn = get_hash_fn(prefix_caching_hash_algo)
         self.prefix_caching_hash_algo = prefix_caching_hash_algo
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, enable_kv_cache_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.use_eagle = use_eagle  # drop the last block of every cache hit: its hidden states must be recomputed
         self.num_cached_tokens: dict[object, int] = {}
@@ -311,15 +312,17 @@ class KVCacheManager(PooledBlockManager):
             return
         hashes, hash_fn, extra_keys = self._req_hashes[request_id], self.hash_fn, self._req_extra_keys[request_id]
         first_new = len(hashes)
-        parent = hashes[-1] if hashes else None
+        parent = first_parent = hashes[-1] if hashes else None
         full = len(tail) // size * size
         for start in range(0, full, size):
             parent = hash_fn(parent, tail[start:start + size], extra_keys)
             hashes.append(parent)
+        filled = tail[:full]
         del tail[:full]
         if len(hashes) > first_new:
             blocks = self.req_to_blocks[request_id]
-            self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:])
+            self.block_pool.cache_full_blocks(blocks[first_new:len(hashes)], hashes[first_new:], filled, first_parent,
+                                              size)
 
     def block_views(self, hit_blocks=frozenset()) -> list[dict]:
         """Every block as the block map's plain data: owners, fill, ref count, cached, hash, hit (see kvlab.widgets)."""

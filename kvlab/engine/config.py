@@ -7,9 +7,9 @@ The knobs live in four parts, as vLLM's do: ModelConfig (which model, its dtype 
 longest sequence, the seed), CacheConfig (block size, pool size, storage format, prefix caching, the
 CPU pool for swapping, the attention backend), SchedulerConfig (batch limits, preemption, the paper's
 reservation baselines) and SpeculativeConfig (kvlab.spec_decode.config), with kv_transfer_config (a KV
-connector, kvlab.kv_transfer) beside them. Each knob is declared once,
-below, with its default, its check and its help text: `LLM(**knobs)` and `LLMEngine(model, **knobs)`
-take them as keyword arguments, and `kvlab serve` derives one flag per knob from the same
+connector, kvlab.kv_transfer) and kv_events_config (KV-cache events, kvlab.engine.kv_events) beside them.
+Each knob is declared once, below, with its default, its check and its help text: `LLM(**knobs)` and
+`LLMEngine(model, **knobs)` take them as keyword arguments, and `kvlab serve` derives one flag per knob from the same
 declaration, in vLLM's spelling (`max_num_seqs` is `--max-num-seqs`).
 
 What needs the model (max_model_len against its context, the pool's size in blocks) is settled when
@@ -28,6 +28,7 @@ from kvlab.analysis.contiguous import ARENAS as RESERVATION_ARENAS
 from kvlab.analysis.contiguous import POLICIES as RESERVATION_POLICIES
 from kvlab.cache.attention_backends import ATTENTION_BACKENDS
 from kvlab.cache.kv_storage import resolve_kv_cache_dtype
+from kvlab.engine.kv_events import KVEventsConfig
 from kvlab.kv_transfer.config import KVTransferConfig
 from kvlab.spec_decode.config import SpeculativeConfig
 from kvlab.validation import check_int, check_positive_int, is_integer
@@ -114,8 +115,13 @@ def _kv_transfer(name, value):
     return None if value is None else KVTransferConfig.from_value(value)
 
 
+def _kv_events(name, value):
+    """None, or a KVEventsConfig from itself, a dict with vLLM's keys or their JSON."""
+    return None if value is None else KVEventsConfig.from_value(value)
+
+
 # Knobs that are whole configs of their own, beside the three parts: name -> how a value becomes one.
-SUB_CONFIGS = {"speculative_config": _speculative, "kv_transfer_config": _kv_transfer}
+SUB_CONFIGS = {"speculative_config": _speculative, "kv_transfer_config": _kv_transfer, "kv_events_config": _kv_events}
 
 
 class _Checked:
@@ -230,6 +236,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    kv_events_config: KVEventsConfig | None = None
 
     @classmethod
     def knob_names(cls) -> dict[str, str]:
@@ -281,6 +288,7 @@ class EngineConfig:
         out = {f.name: getattr(getattr(self, part), f.name) for part, config in PARTS.items() for f in fields(config)}
         out["speculative_config"] = self.speculative_config
         out["kv_transfer_config"] = self.kv_transfer_config
+        out["kv_events_config"] = self.kv_events_config
         return out
 
     # ----- the command line -----
@@ -312,6 +320,10 @@ class EngineConfig:
             "--kv-transfer-config", type=parse_json_object, default=None,
             help='a KV connector as JSON with vLLM\'s keys, e.g. \'{"kv_connector": "OffloadingConnector", '
                  '"kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 1073741824}}\'')
+        parser.add_argument_group("kv events config", KVEventsConfig.__doc__).add_argument(
+            "--kv-events-config", type=parse_json_object, default=None,
+            help='KV-cache events as JSON with vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, '
+                 '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\'')
         return parser
 
     @classmethod

@@ -30,12 +30,14 @@ they share the prompt's full blocks.
 """
 
 import dataclasses
+import time
 
 from kvlab.analysis.contiguous import make_arena
 from kvlab.cache.hybrid_cache import hybrid_groups, is_hybrid
 from kvlab.core.block_views import counters_for
 from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_events import KVEventBatch
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.input_processor import InputProcessor
 from kvlab.engine.kv_cache_utils import (
@@ -45,6 +47,7 @@ from kvlab.engine.kv_cache_utils import (
     kv_block_bytes,
     resolve_max_model_len,
 )
+from kvlab.engine.kv_events import make_publisher
 from kvlab.engine.metrics import Metric, engine_metrics
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.output_processor import OutputProcessor
@@ -87,6 +90,13 @@ class LLMEngine:
                                               kv_cache_groups=self.kv_cache_groups,
                                               max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
+        events = config.kv_events_config
+        self.kv_events_enabled = events is not None and events.enable_kv_cache_events
+        if self.kv_events_enabled and (self.kv_cache_groups is not None or not cache_config.enable_prefix_caching):
+            raise ValueError("kv_events_config.enable_kv_cache_events reports the prefix cache's blocks: it needs "
+                             "enable_prefix_caching=True and a model without sliding-window layers")
+        # Where the pool's events go after each step (kvlab.engine.kv_events): a ZMQ socket, or nowhere.
+        self.kv_event_publisher = make_publisher(events) if self.kv_events_enabled else None
         if self.kv_cache_groups is not None:
             self.kv_cache_manager = HybridKVCacheManager(self.kv_cache_groups, self.num_blocks,
                                                          cache_config.enable_prefix_caching)
@@ -95,7 +105,8 @@ class LLMEngine:
                                                    cache_config.enable_prefix_caching,
                                                    reservation_arena=make_arena(scheduler_config.reservation_arena,
                                                                                 self.num_blocks)
-                                                   if scheduler_config.reservation_arena else None)
+                                                   if scheduler_config.reservation_arena else None,
+                                                   enable_kv_cache_events=self.kv_events_enabled)
         # A KV connector is built twice, as in vLLM: its scheduler half here, its worker half in the runner.
         kv_connector = {role: self._make_connector(role) for role in KVConnectorRole} \
             if config.kv_transfer_config is not None else {}
@@ -250,10 +261,12 @@ class LLMEngine:
         return self.scheduler.has_pending_kv_transfers()
 
     def shutdown(self) -> None:
-        """Stop the KV connector's threads and sockets, if one is configured (a server's last call)."""
+        """Stop the KV connector's and the event publisher's threads and sockets (a server's last call)."""
         for connector in (self.scheduler.connector, self.model_runner.kv_connector):
             if connector is not None:
                 connector.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     def is_running(self, request_id) -> bool:
         """Whether the request was added and some completion of it has not finished yet."""
@@ -280,7 +293,24 @@ class LLMEngine:
         if params:  # a connector's params for a peer go out with the request's last output
             self.output_processor.set_kv_transfer_params(params, outputs)
         self._end_record(record)
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand the step's KV-cache events, if any, to the publisher as one batch (vLLM's KVEventBatch)."""
+        if self.kv_event_publisher is not None:
+            events = self.kv_cache_manager.take_events()
+            if events:
+                self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block when no request holds one (vLLM's reset_prefix_cache); False otherwise."""
+        reset = getattr(self.kv_cache_manager, "reset_prefix_cache", None)
+        if reset is None:
+            raise ValueError("reset_prefix_cache is not available for a model with sliding-window layers")
+        done = reset()
+        self._publish_kv_events()
+        return done
 
     def _begin_record(self, scheduler_output) -> dict:
         self.step_count += 1
