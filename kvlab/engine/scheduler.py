@@ -534,7 +534,12 @@ class Scheduler:
         request.recompute_until = max(request.recompute_until, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        # Behind the requests whose loads finished: they hold their blocks while they wait, and with nobody running
+        # a victim in front of them that does not fit would wait forever for blocks only their admission frees.
+        front = 0
+        while front < len(self.waiting) and self.waiting[front].request_id in self._admission_hits:
+            front += 1
+        self.waiting.insert(front, request)
 
     # ----- after the step -----
     def update_from_output(self, scheduler_output: SchedulerOutput,

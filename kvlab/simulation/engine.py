@@ -27,6 +27,15 @@ clock, as kvlab.benchmarks.replay.replay_static replays it: a batch of up to bat
 when the engine is free, prefills in one pass, then decodes every member each pass until its longest member is
 done (finished members keep computing), and all of them return when it ends.
 
+A KV offloading tier behind the GPU prefix cache (kv_connector: the scheduler's half of the real
+kvlab.kv_transfer.OffloadingConnector) makes every tier decision the live engine's; the runner plays its worker
+with kvlab.simulation.offload.SimulatedKVTransfers, which reads each step's copy orders and times them: loads
+over PCIe host -> GPU, asynchronous as in vLLM (the request waits in WAITING_FOR_REMOTE_KVS and is reported
+finished at the end of the first step that ends after its copy) or, for a connector that loads synchronously,
+delaying the step's forward pass; saves GPU -> host beside the forward pass, a step lasting max(pass, saves). A
+step with nothing to compute while a load is in flight lasts until that load ends (the engine only polls), and
+an idle engine jumps to the next arrival or the end of a load, whichever comes first.
+
 Not modelled: swap preemption's copies over PCIe (the scheduler swaps; the copies cost no time), speculative
 decoding, and the CPU's scheduling time beyond the stated per-step cost.
 """
@@ -51,6 +60,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.scheduler_output import SchedulerOutput
 from kvlab.simulation.capacity import kv_capacity
 from kvlab.simulation.gpus import GPU, get_gpu
+from kvlab.simulation.offload import KVTransferLinks, SimulatedKVTransfers
 from kvlab.simulation.step_time import DEFAULT_STEP_OVERHEAD_S, ModelSpec, Op, layer_ops, op_seconds, step_time
 from kvlab.validation import check_number, check_positive_int
 
@@ -256,6 +266,20 @@ class SimulationResult:
     simulated_s: float                # the virtual clock at the end
     wall_s: float                     # what the simulation took on this machine
     steps: list[SimStep] = field(default_factory=list)   # only with record_steps=True
+    # With an offloading tier (all 0 without one):
+    num_tier_hit_tokens: int = 0      # prompt tokens loaded from the tier at first admission (beside the GPU hits)
+    num_tier_reloaded_tokens: int = 0  # tokens a request re-admitted after a preemption loaded back from the tier
+    num_loaded_blocks: int = 0        # blocks copied host -> GPU
+    num_saved_blocks: int = 0         # blocks copied GPU -> host
+    load_s: float = 0.0               # copy time of every load
+    save_s: float = 0.0               # copy time of every save
+    load_wait_s: float = 0.0          # time forward passes waited for synchronous loads
+    save_bound_s: float = 0.0         # time steps lasted beyond their forward pass because of saves
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """Share of the prompts' tokens loaded from the offloading tier at first admission."""
+        return self.num_tier_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -283,14 +307,17 @@ class SimulatedEngine:
 
     The knobs are the live engine's, under the same names (kvlab.engine.config); step_time_fn turns each step's
     StepComposition into seconds. prefix_caching_hash_algo defaults to "builtin", where the live engine keeps
-    "sha256": the same cache hits, hashed about ten times faster (kvlab.core.prefix_cache).
+    "sha256": the same cache hits, hashed about ten times faster (kvlab.core.prefix_cache). kv_connector is a KV
+    connector's scheduler half (an OffloadingConnector built with role SCHEDULER), kv_transfer_links the rates
+    the runner times its copies at; give both or neither.
     """
 
     def __init__(self, step_time_fn: StepTimeFn, num_blocks: int, max_model_len: int, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
                  reservation_policy: str | None = None, prefix_caching_hash_algo: str = "builtin",
-                 reservation_arena: str | None = None):
+                 reservation_arena: str | None = None, kv_connector=None,
+                 kv_transfer_links: KVTransferLinks | None = None):
         if not callable(step_time_fn):
             raise ValueError(f"step_time_fn must be a function of a StepComposition returning seconds, "
                              f"got {step_time_fn!r}")
@@ -300,6 +327,17 @@ class SimulatedEngine:
         if reservation_arena is not None and reservation_policy is None:
             raise ValueError(f"reservation_arena={reservation_arena!r} places Orca's reservations: give a "
                              f"reservation_policy too (paging reserves nothing)")
+        if (kv_connector is None) != (kv_transfer_links is None):
+            raise ValueError("give kv_connector and kv_transfer_links together: the connector decides the copies, "
+                             "the links time them")
+        if kv_connector is not None:
+            from kvlab.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
+            if not isinstance(kv_connector, KVConnectorBase_V1) or kv_connector.role is not KVConnectorRole.SCHEDULER:
+                raise ValueError(f"kv_connector must be a KV connector built with role KVConnectorRole.SCHEDULER, "
+                                 f"got {kv_connector!r}")
+            if getattr(kv_connector, "block_size", block_size) != block_size:
+                raise ValueError(f"kv_connector has blocks of {kv_connector.block_size} tokens but the engine "
+                                 f"{block_size}: build it with block_size={block_size}")
         self.step_time_fn = step_time_fn
         self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self.max_model_len = check_positive_int("max_model_len", max_model_len)
@@ -315,8 +353,14 @@ class SimulatedEngine:
                                    check_positive_int("max_num_batched_tokens", max_num_batched_tokens),
                                    preemption_mode,
                                    (num_blocks if num_cpu_blocks is None else num_cpu_blocks)
-                                   if preemption_mode == "swap" else 0)
+                                   if preemption_mode == "swap" else 0, kv_connector=kv_connector)
         self.model_runner = SimulatedModelRunner()
+        # The connector's worker half, as timings: when each step's copies end on the virtual clock.
+        self.kv_transfers = None if kv_transfer_links is None else SimulatedKVTransfers(kv_transfer_links)
+        self.now = 0.0                    # the virtual clock at the start of the next step (run() keeps it)
+        self.num_tier_hit_tokens = 0
+        self.num_tier_reloaded_tokens = 0
+        self._last_finished_recving = None
         self.step_count = 0
         self.num_tokens_computed = 0
         self.num_prompt_tokens = 0
@@ -368,6 +412,8 @@ class SimulatedEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         seconds = float(self.step_time_fn(self.model_runner.last_composition))
+        if self.kv_transfers is not None:
+            seconds = self._time_copies(scheduler_output, runner_output, seconds)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         requests = self.scheduler.requests
         for out in outputs:
@@ -377,6 +423,38 @@ class SimulatedEngine:
         self.step_count += 1
         self.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
         return seconds, scheduler_output, outputs
+
+    def _stalled(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the step changed nothing and nothing can change: no tokens, nobody running, no load ordered,
+        finished or in flight (a waiting request that does not fit then never will)."""
+        scheduler = self.scheduler
+        if scheduler_output.total_num_scheduled_tokens or scheduler.running or scheduler.waiting_for_remote_kvs:
+            return False
+        metadata = scheduler_output.kv_connector_metadata
+        return not (self._last_finished_recving or (metadata is not None and getattr(metadata, "loads", None)))
+
+    def _time_copies(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                     compute_s: float) -> float:
+        """The step's seconds with its connector copies (see the module docstring); the asynchronous loads that end
+        by the step's end go into runner_output.finished_recving, as the live worker's get_finished reports them."""
+        transfers, now = self.kv_transfers, self.now
+        metadata = scheduler_output.kv_connector_metadata
+        size, requests = self.block_size, self.scheduler.requests
+        for rid, pairs in metadata.loads.items():
+            if requests[rid].num_preemptions:
+                self.num_tier_reloaded_tokens += len(pairs) * size
+            else:
+                self.num_tier_hit_tokens += len(pairs) * size
+        wait = transfers.start_load_kv(metadata, scheduler_output.num_scheduled_tokens, now)
+        save = transfers.save_seconds(metadata)
+        if scheduler_output.total_num_scheduled_tokens:
+            transfers.save_bound_s += max(0.0, save - compute_s)
+            end = now + wait + max(compute_s, save)
+        else:  # nothing to compute: the engine polls until the first load in flight ends
+            first = transfers.next_load_end()
+            end = now + compute_s if first is None else max(now + compute_s, first)
+        runner_output.finished_recving = self._last_finished_recving = transfers.get_finished(end)
+        return end - now
 
     def run(self, requests: Iterable[SimRequest], record_steps: bool = False,
             max_steps: int = 10**8) -> SimulationResult:
@@ -404,7 +482,18 @@ class SimulatedEngine:
                     break
                 now = max(now, pending.arrival)  # idle: jump to the next arrival
                 continue
+            if pending is not None and self.kv_transfers is not None and \
+                    not self.scheduler.has_schedulable_requests():
+                first = self.kv_transfers.next_load_end()
+                if first is not None and pending.arrival < first:
+                    now = pending.arrival  # only loads in flight: the next arrival comes before any ends
+                    continue
+            self.now = now
             seconds, scheduler_output, outputs = self.step()
+            if self._stalled(scheduler_output):
+                raise RuntimeError(f"the scheduler is stuck at {now:.6g} s: nothing runs, no load is in flight and "
+                                   f"the first of {len(self.scheduler.waiting)} waiting requests does not fit in the "
+                                   f"{self.kv_cache_manager.num_free_blocks} free blocks")
             began, now = now, now + seconds
             used = self.kv_cache_manager.num_used_blocks
             peak = max(peak, used)
@@ -418,10 +507,19 @@ class SimulatedEngine:
                     done += 1
         else:
             raise RuntimeError(f"only {done} of {len(timings)} requests finished within {max_steps} steps")
+        self.now = now
         kv = self.kv_cache_manager
-        return SimulationResult(timings, self.step_count, self.scheduler.num_preemptions, kv.queries, kv.hits,
-                                self.num_tokens_computed, peak, self.num_blocks, now,
-                                time.perf_counter() - started, steps)
+        result = SimulationResult(timings, self.step_count, self.scheduler.num_preemptions, kv.queries, kv.hits,
+                                  self.num_tokens_computed, peak, self.num_blocks, now,
+                                  time.perf_counter() - started, steps)
+        transfers = self.kv_transfers
+        if transfers is not None:
+            result.num_tier_hit_tokens, result.num_tier_reloaded_tokens = (self.num_tier_hit_tokens,
+                                                                           self.num_tier_reloaded_tokens)
+            result.num_loaded_blocks, result.num_saved_blocks = transfers.num_loaded_blocks, transfers.num_saved_blocks
+            result.load_s, result.save_s = transfers.load_s, transfers.save_s
+            result.load_wait_s, result.save_bound_s = transfers.load_wait_s, transfers.save_bound_s
+        return result
 
 
 def _next_request(source, last_arrival: float | None, index: int) -> SimRequest | None:
@@ -508,7 +606,9 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
              max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
              gpu_memory_utilization: float = 0.92, step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
              step_time_fn: StepTimeFn | None = None, static_batch_size: int | None = None,
-             record_steps: bool = False, **engine_knobs) -> SimulationResult:
+             record_steps: bool = False, kv_offloading_size: int = 0, eviction_policy: str = "lru",
+             async_kv_loads: bool = True, host_link_bytes_per_s: float | None = None,
+             **engine_knobs) -> SimulationResult:
     """Serve a trace with one system on a simulated deployment.
 
     model: a shipped config's name, a config dict or path, or a ModelSpec (then give num_blocks); gpu: a name of
@@ -516,6 +616,11 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
     or static (static batching; batch_size defaults to the full-length sequences the pool holds, as
     benchmarks/figure12.py sizes it). num_blocks defaults to kv_capacity(...).num_blocks; max_model_len to the
     config's max_position_embeddings.
+
+    kv_offloading_size: bytes of host memory for a CPU tier (vLLM's --kv-offloading-size, the whole deployment's;
+    0: no tier, the engine without a connector), an OffloadingConnector with eviction_policy (lru or arc) and
+    asynchronous loads unless async_kv_loads=False. Copies run at host_link_bytes_per_s per GPU and direction,
+    by default the GPU's host link (kvlab.simulation.offload.host_link_bytes_per_s).
     """
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {system!r}")
@@ -544,9 +649,38 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
             raise ValueError(f"static batching takes no engine knobs, got {', '.join(engine_knobs)}")
         batch = static_batch_size or max(1, num_blocks * block_size // max_model_len)
         return run_static(requests, step_time_fn, batch, max_model_len, block_size)
+    if isinstance(kv_offloading_size, bool) or not isinstance(kv_offloading_size, int) or kv_offloading_size < 0:
+        raise ValueError(f"kv_offloading_size must be a number of bytes >= 0 (0: no CPU tier), got "
+                         f"{kv_offloading_size!r}")
+    if kv_offloading_size:
+        engine_knobs.update(offloading_tier(spec, gpu, tensor_parallel_size, block_size, kv_offloading_size,
+                                            eviction_policy, async_kv_loads, host_link_bytes_per_s))
     engine = SimulatedEngine(step_time_fn, num_blocks, max_model_len, block_size, max_num_seqs,
                              max_num_batched_tokens, enable_prefix_caching,
                              reservation_policy=None if system == "paged" else system.removeprefix("orca-"),
                              **engine_knobs)
     return engine.run(requests, record_steps=record_steps)
 
+
+
+def offloading_tier(model: ModelSpec, gpu: GPU | str, tensor_parallel_size: int, block_size: int,
+                    kv_offloading_size: int, eviction_policy: str = "lru", async_kv_loads: bool = True,
+                    host_link_bytes_per_s: float | None = None) -> dict:
+    """SimulatedEngine's kv_connector (the real OffloadingConnector's scheduler half, sized by kv_offloading_size
+    bytes over the model's whole blocks) and kv_transfer_links (each GPU's share of a block over its host link)."""
+    from kvlab.kv_offload import kv_bytes_per_block
+    from kvlab.kv_transfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
+
+    bytes_per_block = kv_bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim,
+                                         model.dtype_bytes)
+    config = KVTransferConfig("OffloadingConnector", "kv_both",
+                              {"kv_offloading_size": kv_offloading_size, "eviction_policy": eviction_policy,
+                               "async_loads": async_kv_loads})
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, block_size=block_size,
+                                                    bytes_per_block=bytes_per_block)
+    if host_link_bytes_per_s is None:
+        links = KVTransferLinks.for_deployment(bytes_per_block, gpu, tensor_parallel_size)
+    else:
+        tp = check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        links = KVTransferLinks(-(-bytes_per_block // tp), host_link_bytes_per_s, host_link_bytes_per_s)
+    return dict(kv_connector=connector, kv_transfer_links=links)
