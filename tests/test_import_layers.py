@@ -47,8 +47,9 @@ ALLOWED_KVLAB = {
     # GPU-scale simulation: a step-time model and vLLM's capacity arithmetic, and the engine's own scheduler on a
     # virtual clock above them; it sits on top of the engine, the baselines and the measurements, and nothing
     # in kvlab imports it.
-    "kvlab.simulation": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
-                         "kvlab.spec_decode", "kvlab.baselines", "kvlab.benchmarks", "kvlab.analysis",
+    # It drives a KV connector's scheduler half (the real tier decisions) and times the copies the worker would make.
+    "kvlab.simulation": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.kv_transfer",
+                         "kvlab.decoding", "kvlab.spec_decode", "kvlab.baselines", "kvlab.benchmarks", "kvlab.analysis",
                          "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
     "kvlab.course": {"kvlab.kernels"},
