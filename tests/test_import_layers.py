@@ -49,8 +49,8 @@ ALLOWED_KVLAB = {
     # in kvlab imports it.
     # It drives a KV connector's scheduler half (the real tier decisions) and times the copies the worker would make.
     "kvlab.simulation": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.kv_transfer",
-                         "kvlab.decoding", "kvlab.spec_decode", "kvlab.baselines", "kvlab.benchmarks", "kvlab.analysis",
-                         "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
+                         "kvlab.kv_offload", "kvlab.decoding", "kvlab.spec_decode", "kvlab.baselines",
+                         "kvlab.benchmarks", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
     "kvlab.course": {"kvlab.kernels"},
     # The HTTP server sits on the engine; nothing below imports it.
