@@ -44,3 +44,4 @@ class KVConnectorFactory:
 
 KVConnectorFactory.register_connector("OffloadingConnector",
                                       "kvlab.kv_transfer.offloading_connector:OffloadingConnector")
+KVConnectorFactory.register_connector("SocketConnector", "kvlab.kv_transfer.socket_connector:SocketConnector")
