@@ -23,8 +23,10 @@ The flow of one request (the proxy, kvlab.entrypoints.disagg_proxy, drives it):
    WAITING_FOR_REMOTE_KVS holding the blocks they land in, while a worker thread pulls the matching remote
    block ids and writes them into those blocks, then get_finished reports it in finished_recving;
 3. once the pull is answered, the producer's get_finished reports the request in finished_sending and its
-   blocks go back to the pool; if nobody pulls within kv_send_timeout_s (the decode server died, the client
-   went away) they go back then.
+   blocks go back to the pool. A decode side that needs none of them (its own prefix cache holds the prompt
+   up to its last token) says so with a release instead, as NIXL's decode side notifies its producer; if
+   nobody pulls or releases within kv_send_timeout_s (the decode server died, the client went away) they go
+   back then.
 
 A pull that fails (connection refused, timeout, short read, an error reply such as an unknown request or a
 block the request does not hold, or a layout that differs: block size, layers, KV heads, head dim, dtype)
@@ -35,6 +37,7 @@ Wire format (one pull per TCP connection; every integer big-endian):
 
     frame    := u32 length, then length bytes of UTF-8 JSON
     request  := frame {"op": "read", "request_id": str, "block_ids": [int, ...]}
+              | frame {"op": "release", "request_id": str}       (answered by frame {"ok": true} or an error)
     reply    := frame {"ok": false, "error": str}
               | frame {"ok": true, "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype": str,
                        "num_blocks", "nbytes"} followed by nbytes raw bytes: the tensor
@@ -186,11 +189,13 @@ def _check_extra(config: KVTransferConfig) -> dict:
 
 @dataclass
 class SocketConnectorMetadata(KVConnectorMetadata):
-    """One step's orders: requests whose blocks the producer now serves (id -> block ids), and pulls to start
-    (id -> (local block ids, host, port, remote request id, remote block ids))."""
+    """One step's orders: requests whose blocks the producer now serves (id -> block ids), pulls to start
+    (id -> (local block ids, host, port, remote request id, remote block ids)), and producers to tell that a
+    request needs none of its blocks."""
 
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
     reqs_to_recv: dict[str, tuple[list[int], str, int, str, list[int]]] = field(default_factory=dict)
+    reqs_to_release: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # id -> (host, port, remote id)
 
 
 def _remote_params(params: dict, rid: str) -> tuple[str, int, str, list[int]] | None:
@@ -226,6 +231,7 @@ class SocketConnector(KVConnectorBase_V1):
         self._handshake: dict | None = None
         self._reqs_to_send: dict[str, list[int]] = {}
         self._reqs_to_recv: dict = {}
+        self._reqs_to_release: dict[str, tuple[str, int, str]] = {}
         self._pending_recv: dict[str, tuple[int, tuple]] = {}  # offered pulls: id -> (first block, remote)
         self._asked: set[str] = set()                   # requests already offered once (a re-admission is not)
         self.num_pulled_blocks = 0
@@ -261,12 +267,14 @@ class SocketConnector(KVConnectorBase_V1):
             raise ValueError(f"num_computed_tokens must be a whole number of blocks ({self.block_size} tokens), "
                              f"got {num_computed_tokens}")
         count = len(request.prompt_token_ids) - 1 - num_computed_tokens  # the last prompt token is computed here
-        if remote is None or count <= 0:
+        if remote is None:
             return 0, False
         first, last = num_computed_tokens // self.block_size, -(-(num_computed_tokens + count) // self.block_size)
-        if len(remote[3]) < last:
-            logger.warning("request %s: the producer sent %d block ids, the prompt needs %d; computing it here",
-                           rid, len(remote[3]), last)
+        if count <= 0 or len(remote[3]) < last:
+            if count > 0:
+                logger.warning("request %s: the producer sent %d block ids, the prompt needs %d; computing it here",
+                               rid, len(remote[3]), last)
+            self._reqs_to_release[rid] = remote[:3]  # the producer need not wait for its timeout
             return 0, False
         self._pending_recv[rid] = (first, remote)
         return count, True
@@ -284,8 +292,8 @@ class SocketConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> SocketConnectorMetadata:
         self._check_role(KVConnectorRole.SCHEDULER, "build_connector_meta")
-        meta = SocketConnectorMetadata(self._reqs_to_send, self._reqs_to_recv)
-        self._reqs_to_send, self._reqs_to_recv = {}, {}
+        meta = SocketConnectorMetadata(self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release)
+        self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release = {}, {}, {}
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -348,10 +356,24 @@ class SocketConnector(KVConnectorBase_V1):
                 for rid, ids in meta.reqs_to_send.items():
                     self._serving[rid] = (set(ids), deadline)
                 self._lock.notify_all()
-        if meta.reqs_to_recv and self._executor is None:
+        if (meta.reqs_to_recv or meta.reqs_to_release) and self._executor is None:
             self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvlab-kv-pull")
         for rid, order in meta.reqs_to_recv.items():
             self._pulls[rid] = self._executor.submit(self._pull, rid, *order)
+        for rid, (host, port, remote_id) in meta.reqs_to_release.items():
+            self._executor.submit(self._send_release, rid, host, port, remote_id)
+
+    def _send_release(self, rid: str, host: str, port: int, remote_id: str) -> None:
+        """Tell a producer that a request needs none of its blocks; a failure only leaves them to its timeout."""
+        try:
+            with socket.create_connection((host, port), timeout=self.kv_pull_timeout_s) as sock:
+                send_frame(sock, {"op": "release", "request_id": remote_id})
+                reply = recv_frame(sock)
+            if not reply.get("ok"):
+                raise RuntimeError(reply.get("error", "no reason given"))
+        except Exception as err:  # noqa: BLE001 (the producer frees the blocks at its timeout anyway)
+            logger.warning("request %s: releasing %s's blocks on %s:%d failed (%s: %s)", rid, remote_id, host, port,
+                           type(err).__name__, err)
 
     def _pull(self, rid: str, local_ids: list[int], host: str, port: int, remote_id: str, remote_ids: list[int]):
         """One request's pull: its blocks written into local_ids, or every one of them reported failed."""
@@ -416,6 +438,11 @@ class SocketConnector(KVConnectorBase_V1):
             try:
                 ask = recv_frame(conn)
                 rid, ids = ask.get("request_id"), ask.get("block_ids")
+                if ask.get("op") == "release" and isinstance(rid, str):
+                    served = self._wait_for(rid) is not None
+                    send_frame(conn, {"ok": True} if served else {"ok": False, "error": f"request {rid!r} is "
+                                                                                         "unknown here"})
+                    return
                 if ask.get("op") != "read" or not isinstance(rid, str) or not isinstance(ids, list):
                     send_frame(conn, {"ok": False, "error": "a pull is {'op': 'read', 'request_id': str, "
                                                             "'block_ids': [int, ...]}"})

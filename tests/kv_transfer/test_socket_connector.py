@@ -138,6 +138,18 @@ def test_a_prefix_cached_on_the_decode_engine_is_not_pulled_again(pair, embedded
     assert expected >= 1 and decode.kv_connector.num_pulled_blocks - pulled_before == expected, \
         "b shares a's 5 cached blocks on the decode engine: only the blocks after them are pulled"
     assert_all_free(prefill, decode)
+    # Cached up to its last token: nothing to pull, and the producer hears so instead of waiting for its timeout.
+    short = prompts["a"][:5 * BLOCK_SIZE + 1]
+    params = prefill_once(prefill, "c", short)
+    prefill.step()
+    decode.add_request("c", short, with_params(4, params))
+    pulled_before = decode.kv_connector.num_pulled_blocks
+    start = time.monotonic()
+    outputs = run_both(decode, prefill)
+    assert outputs["c"] == reference_generate(model, short, 4)
+    assert decode.kv_connector.num_pulled_blocks == pulled_before and time.monotonic() - start < 10, \
+        "released long before the producer's 30 s timeout"
+    assert_all_free(prefill, decode)
 
 
 def test_blocks_nobody_pulls_are_freed_after_the_send_timeout(embedded, prompts):
