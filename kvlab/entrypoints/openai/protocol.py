@@ -87,6 +87,9 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     request_id: str | None = None  # vLLM's extension; kvlab names its requests itself
+    # vLLM's extension for disaggregated prefill/decode: handed to the KV connector (SamplingParams.extra_args);
+    # a non-streaming answer carries the connector's params back (the prefill server's block ids, say).
+    kv_transfer_params: dict[str, Any] | None = None
 
     # Sampling knobs kvlab does not have: checked as vLLM checks them, then ignored with a warning.
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -43,8 +43,10 @@ class OpenAIServingChat(OpenAIServing):
 
             return StreamingResponse(self.stream(body, prompt_ids, params, base_id, chunk, usage_chunk),
                                      media_type="text/event-stream")
+        kv_params: dict = {}
         finals = await self.until_disconnected(
-            request, self.collect(prompt_ids, params, base_id, body.include_stop_str_in_output))
+            request, self.collect(prompt_ids, params, base_id, body.include_stop_str_in_output, kv_params))
         choices = [{"index": j, "message": {"role": "assistant", "content": text}, "logprobs": None,
                     "finish_reason": reason} for j, (text, reason, _) in enumerate(finals[0])]
-        return {**head, "object": "chat.completion", "choices": choices, "usage": self.usage(prompt_ids, finals)}
+        return {**head, "object": "chat.completion", "choices": choices, "usage": self.usage(prompt_ids, finals),
+                "kv_transfer_params": kv_params.get("kv_transfer_params")}

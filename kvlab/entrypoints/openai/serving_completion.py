@@ -37,10 +37,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self.stream(body, prompt_ids, params, base_id, chunk, usage_chunk,
                                                  echoed if body.echo else None),
                                      media_type="text/event-stream")
+        kv_params: dict = {}
         finals = await self.until_disconnected(
-            request, self.collect(prompt_ids, params, base_id, body.include_stop_str_in_output))
+            request, self.collect(prompt_ids, params, base_id, body.include_stop_str_in_output, kv_params))
         n = params[0].n
         choices = [{"index": i * n + j, "text": (echoed(i) if body.echo else "") + text, "logprobs": None,
                     "finish_reason": reason}
                    for i, rows in enumerate(finals) for j, (text, reason, _) in enumerate(rows)]
-        return {**head, "choices": choices, "usage": self.usage(prompt_ids, finals)}
+        return {**head, "choices": choices, "usage": self.usage(prompt_ids, finals),
+                "kv_transfer_params": kv_params.get("kv_transfer_params")}

@@ -129,7 +129,9 @@ class OpenAIServing:
                         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                         max_tokens=limit, seed=body.seed, ignore_eos=body.ignore_eos, stop=body.stop or [],
                         stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
-                        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+                        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+                        extra_args={"kv_transfer_params": body.kv_transfer_params}
+                        if body.kv_transfer_params is not None else None)
                 except ValueError as err:
                     raise OpenAIError(400, str(err)) from None
                 processor.process(prompt_ids, sampling)
@@ -140,15 +142,18 @@ class OpenAIServing:
         return ids, params
 
     async def run_prompt(self, prompt_ids, params: SamplingParams, request_id: str,
-                         include_stop_str: bool = False) -> AsyncIterator[list[Row]]:
+                         include_stop_str: bool = False, kv_params: dict | None = None) -> AsyncIterator[list[Row]]:
         """Per output of the engine: one Row per completion of the prompt, holding the text new since the last Row
         (whatever output kind the params ask for), its finish reason the first time it finishes, and its tokens so far.
+        kv_params, if given, receives the KV connector's params for a peer under "kv_transfer_params".
         """
         n = params.n
         delta = params.output_kind is RequestOutputKind.DELTA
         shown, tokens, ended = [0] * n, [0] * n, [False] * n
         try:
             async for out in self.async_llm.generate(prompt_ids, params, request_id):
+                if kv_params is not None and out.kv_transfer_params is not None:
+                    kv_params["kv_transfer_params"] = out.kv_transfer_params
                 rows = []
                 for j, c in enumerate(out.outputs):
                     if ended[j]:  # a finished completion of an n > 1 request, while its siblings run on
@@ -171,11 +176,14 @@ class OpenAIServing:
         except ValueError as err:  # e.g. a request id already in use
             raise OpenAIError(400, str(err)) from None
 
-    async def collect(self, prompt_ids, params, base_id: str, include_stop_str: bool = False) -> list[list[Row]]:
-        """The final Rows of every prompt (each completion's whole text), all prompts running at once."""
+    async def collect(self, prompt_ids, params, base_id: str, include_stop_str: bool = False,
+                      kv_params: dict | None = None) -> list[list[Row]]:
+        """The final Rows of every prompt (each completion's whole text), all prompts running at once; kv_params
+        receives the first prompt's KV connector params (vLLM's responses carry one set, the first result's)."""
         async def last(i):
             rows = None
-            async for new in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}", include_stop_str):
+            async for new in self.run_prompt(prompt_ids[i], params[i], f"{base_id}-{i}", include_stop_str,
+                                             kv_params if i == 0 else None):
                 rows = new if rows is None else [(text + more, reason or done, count) for (text, done, _), (
                     more, reason, count) in zip(rows, new)]
             return rows
