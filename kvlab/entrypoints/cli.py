@@ -4,6 +4,7 @@
     kvlab serve Qwen/Qwen2.5-0.5B-Instruct --dtype float16 --max-num-seqs 64 --kv-cache-dtype fp8
     kvlab serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
     python -m kvlab.serve --port 8001             # the same, without the console script
+    kvlab proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200   # disaggregated prefill/decode
 
 The engine's flags are not written here: each is derived from its knob in kvlab.engine.config
 (EngineConfig.add_cli_args), so `kvlab serve --help` and LLM(...) accept the same settings with the same
@@ -50,7 +51,24 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="kvlab", description="kvlab's command line")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser(commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+    from kvlab.entrypoints.disagg_proxy import proxy_parser
+
+    proxy_parser(commands.add_parser("proxy", help="one OpenAI endpoint in front of a prefill and a decode server "
+                                                   "(disaggregated prefill/decode)"))
     args = parser.parse_args(argv)
+    if args.command == "proxy":
+        import uvicorn
+
+        from kvlab.entrypoints.disagg_proxy import build_proxy_app
+
+        try:
+            app = build_proxy_app(args.prefill, args.decode, args.fallback_local_prefill, args.prefill_timeout_s,
+                                  args.decode_timeout_s)
+        except ValueError as err:
+            parser.exit(2, f"kvlab proxy: {err}\n")
+        print(f"kvlab proxy: prefill {args.prefill}, decode {args.decode}, on http://{args.host}:{args.port}",
+              file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     if args.command == "serve":
         import uvicorn
 
