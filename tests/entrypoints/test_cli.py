@@ -56,3 +56,14 @@ def test_a_bad_engine_setting_is_refused_before_serving():
     run = subprocess.run([sys.executable, "-m", "kvlab.serve", "--num-blocks", "1", "--block-size", "4",
                           "--max-model-len", "9999"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "max_model_len" in run.stderr, run.stderr[-1000:]
+
+
+def test_proxy_flags_and_a_bad_url_refused():
+    from kvlab.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["proxy", "--prefill", "localhost:8100", "--decode", "http://127.0.0.1:8200"])
+    assert exit_.value.code == 2
+    run = subprocess.run([sys.executable, "-m", "kvlab.entrypoints.cli", "proxy", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "--fallback-local-prefill" in run.stdout, run.stderr[-1000:]
