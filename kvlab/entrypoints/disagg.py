@@ -54,6 +54,9 @@ class DisaggregatedServers:
         self._logs = []
         atexit.register(self.stop)  # registered first: a start that fails half-way still cleans up
         env = {**os.environ, **(env or {})}
+        # The children import the same kvlab as this process (a checkout that is not the installed one included).
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         ports = {name: free_port(host) for name in ("prefill", "decode", "proxy")}
         self.prefill_url, self.decode_url, self.proxy_url = (f"http://{host}:{ports[n]}"
                                                              for n in ("prefill", "decode", "proxy"))

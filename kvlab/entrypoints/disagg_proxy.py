@@ -41,8 +41,10 @@ def error(status: int, message: str) -> JSONResponse:
 
 
 def prefill_request(body: dict, chat: bool) -> dict:
-    """The client's request as the prefill server gets it: one token, no stream, do_remote_decode."""
-    out = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    """The client's request as the prefill server gets it: one token of one completion, no stream, do_remote_decode
+    (n=1: the decode server samples the n completions from one prompt's blocks; n prefills would each hold blocks
+    that only one pull releases)."""
+    out = dict(body, max_tokens=1, n=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     out.pop("stream_options", None)  # only allowed with stream true
     if chat:
         out["max_completion_tokens"] = 1

@@ -221,6 +221,7 @@ class SocketConnector(KVConnectorBase_V1):
     """A prefill instance serves a finished request's blocks over TCP; a decode instance pulls them by block id."""
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int = 0):
+        # bytes_per_block (what the engine passes every connector) is not needed: the pools' own layout is sent.
         super().__init__(config, role)
         settings = _check_extra(config)
         self.kv_host, self.kv_port = settings["kv_host"], settings["kv_port"]

@@ -151,7 +151,7 @@ def test_the_proxy_refuses_bad_settings_and_bodies():
         build_proxy_app("http://a", "http://b", prefill_timeout_s=0)
     with TestClient(build_proxy_app("http://127.0.0.1:1", "http://127.0.0.1:1")) as client:
         assert client.post("/v1/completions", content=b"{oops").status_code == 400
-    body = prefill_request(chat(stream=True, stream_options={"include_usage": True}, min_tokens=3), chat=True)
-    assert body["max_tokens"] == body["max_completion_tokens"] == 1 and body["stream"] is False
+    body = prefill_request(chat(stream=True, stream_options={"include_usage": True}, min_tokens=3, n=2), chat=True)
+    assert body["max_tokens"] == body["max_completion_tokens"] == body["n"] == 1 and body["stream"] is False
     assert "stream_options" not in body and body["min_tokens"] == 1
     assert body["kv_transfer_params"] == {"do_remote_decode": True}
