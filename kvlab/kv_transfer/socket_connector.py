@@ -71,6 +71,7 @@ CONSUMER_KEYS = ("kv_pull_timeout_s",)
 PARAM_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_request_id")
 MAX_FRAME = 1 << 20          # a JSON header longer than this is not one of ours
 REGISTER_GRACE_S = 5.0       # how long a pull waits for the producer's worker to hear of a request that just finished
+FORGOTTEN_KEPT = 4096        # served or expired request ids remembered (refused at once), newest first
 
 
 # ----- the wire -----
@@ -242,7 +243,7 @@ class SocketConnector(KVConnectorBase_V1):
         self._lock = threading.Condition()
         self._serving: dict[str, tuple[set[int], float]] = {}   # producer: id -> (its block ids, deadline)
         self._done_sending: set[str] = set()
-        self._forgotten: set[str] = set()                        # served or expired: a later pull is refused
+        self._forgotten: dict[str, None] = {}                    # served or expired: a later pull is refused
         self._server: socket.socket | None = None
         self._server_thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -407,7 +408,7 @@ class SocketConnector(KVConnectorBase_V1):
                     logger.warning("request %s: nobody pulled its blocks within kv_send_timeout_s=%g s; freeing them",
                                    rid, self.kv_send_timeout_s)
                     del self._serving[rid]
-                    self._forgotten.add(rid)
+                    self._forget(rid)
                     self._done_sending.add(rid)
             sending, self._done_sending = self._done_sending, set()
         recving = {rid for rid, future in self._pulls.items() if future.done()}
@@ -483,11 +484,17 @@ class SocketConnector(KVConnectorBase_V1):
                 self._lock.wait(left)
             return self._serving[rid][0]
 
+    def _forget(self, rid: str) -> None:
+        """Remember that rid is done with (the caller holds the lock), the oldest memory dropped past FORGOTTEN_KEPT."""
+        self._forgotten[rid] = None
+        if len(self._forgotten) > FORGOTTEN_KEPT:
+            del self._forgotten[next(iter(self._forgotten))]
+
     def _release(self, rid: str) -> None:
         """After one answered pull the request's blocks are done with: report them in finished_sending."""
         with self._lock:
             if self._serving.pop(rid, None) is not None:
-                self._forgotten.add(rid)
+                self._forget(rid)
                 self._done_sending.add(rid)
 
     def shutdown(self) -> None:
