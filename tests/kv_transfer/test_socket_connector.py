@@ -201,8 +201,7 @@ def test_an_unknown_request_or_foreign_blocks_are_refused(pair, embedded, prompt
     wrong = dict(worker.layout, num_kv_heads=worker.layout["num_kv_heads"] + 1, dtype="float16")
     with pytest.raises(ValueError, match="layout mismatch: num_kv_heads .* dtype"):
         pull_blocks("127.0.0.1", worker.kv_port, "r", params["remote_block_ids"][:1], wrong, 5)
-    for _ in range(3):
-        prefill.step()
+    run_both(prefill)  # the producer's thread releases r just after its last byte went out: step until it has
     assert_all_free(prefill)  # the mismatched reader got r's bytes (and threw them away): r is done with
     # A decode request naming a request the producer never had: refused, recomputed, the same tokens.
     decode.add_request("x", prompts["a"], with_params(4, dict(params, remote_request_id="nope")))
