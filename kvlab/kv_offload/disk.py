@@ -76,6 +76,28 @@ def _read_metadata(data: bytes) -> dict:
     return header["__metadata__"]
 
 
+# A block file's header is a few hundred bytes; anything far larger is not one of ours.
+_MAX_HEADER_BYTES = 1 << 16
+
+
+def read_block_metadata(path: str | os.PathLike) -> dict | None:
+    """The metadata a block file carries, reading only its header; None if the file is not a readable block file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > _MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(header_len).decode("utf-8"))
+        metadata = header["__metadata__"]
+        return {"sha256": metadata["sha256"], "shape": json.loads(metadata["shape"]), "dtype": metadata["dtype"],
+                "block_hash": metadata["block_hash"]}
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
 class DiskBlockStore:
     """Block files under one directory: save, load (verified), contains, remove; by block hash."""
 
@@ -139,6 +161,29 @@ class DiskBlockStore:
     def remove(self, block_hash: Hashable) -> None:
         """Delete this block's file (an eviction from the disk tier); nothing if there is none."""
         self.path_for(block_hash).unlink(missing_ok=True)
+
+    def index(self, shape: Sequence[int], dtype: str) -> list[tuple[bytes, float]]:
+        """(block hash, modification time) of every block file here whose header records this block shape and dtype
+        (str(torch.dtype)), oldest first; files of other layouts, temporary files and unreadable ones are skipped.
+
+        Only the headers are read: a file's checksum is verified when it is loaded.
+        """
+        found = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            stem = path.name[:-len(SUFFIX)]
+            if stem.startswith("."):
+                continue
+            metadata = read_block_metadata(path)
+            if metadata is None or metadata["block_hash"] != stem or metadata["shape"] != list(shape) \
+                    or metadata["dtype"] != dtype:
+                continue
+            try:
+                block_hash, mtime = bytes.fromhex(stem), path.stat().st_mtime
+            except (ValueError, OSError):  # not a hex name, or removed while listing
+                continue
+            found.append((block_hash, mtime))
+        found.sort(key=lambda item: item[1])
+        return found
 
     def save_blocks(self, pool: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
         """Write pool[block_ids[i]] under block_hashes[i], for a block-major pool (a host pool)."""

@@ -144,6 +144,24 @@ class PolicyOffloadingManager(OffloadingManager):
                 self._forget(block_hash)
                 self.backend.free(block)
 
+    def remove(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Forget ready, unpinned copies whose data turned out to be gone (a deleted or corrupted file): their ids
+        go back to the backend, as if evicted. Not part of vLLM's API; ValueError, changing nothing, for a block
+        that is not held, still being stored, or pinned by a load."""
+        block_hashes = list(dict.fromkeys(block_hashes))
+        for block_hash in block_hashes:
+            block = self._find(block_hash)
+            if block is None or not block.evictable:
+                state = "not held" if block is None else ("pinned by a load" if block.ref_cnt else "being stored")
+                raise ValueError(f"remove: block {block_hash!r} is {state} in {self.backend.medium}; only a ready, "
+                                 "unpinned copy can be removed")
+        for block_hash in block_hashes:
+            block = self._find(block_hash)
+            self._forget(block_hash)
+            self.backend.free(block)
+        if block_hashes and self.events is not None:
+            self.events.append(OffloadingEvent(block_hashes, self.backend.block_size, self.backend.medium, True))
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events is None:
             return []
