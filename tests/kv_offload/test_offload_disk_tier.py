@@ -165,3 +165,16 @@ def test_disk_tier_with_a_manager_evicts_files_and_recomputes_damaged_ones(tmp_p
     manager.complete_load(hashes[3:])
     assert failed == [hashes[4]], "the damaged block is reported so the engine recomputes it"
     assert torch.equal(back[0], host[3]) and torch.equal(back[2], host[5]) and not back[1].any()
+
+
+def test_index_finds_this_layouts_blocks_oldest_first(tmp_path):
+    store = DiskBlockStore(tmp_path)
+    for i in range(3):
+        store.save(sha(i), random_block(torch.float32, i))
+        os.utime(store.path_for(sha(i)), (1000 + i, 1000 + i))
+    store.save(sha(9), random_block(torch.float32, 9)[:1])            # another number of layers
+    store.save(sha(8), random_block(torch.bfloat16, 8))               # another dtype
+    (tmp_path / f"{sha(7).hex()}.safetensors").write_bytes(b"junk")   # not a block file
+    store.path_for(sha(2)).rename(store.path_for(sha(6)))             # a file under another block's name
+    found = store.index(BLOCK_SHAPE, str(torch.float32))
+    assert [h for h, _ in found] == [sha(0), sha(1)], f"only whole files of this layout, oldest first, got {found}"

@@ -339,3 +339,19 @@ def test_events_are_off_unless_asked_for():
     m = LRUOffloadingManager(Backend("CPU", 4, 2))
     stored(m, "a")
     assert list(m.take_events()) == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remove_forgets_a_ready_unpinned_copy_and_refuses_others(policy):
+    manager = make(policy, 3)
+    stored(manager, "a", "b")
+    manager.prepare_load(["b"])
+    manager.prepare_store(["c"])  # not completed: still being stored
+    before = snapshot(manager)
+    for block_hash in ("b", "c", "x"):
+        with pytest.raises(ValueError, match=f"'{block_hash}'"):
+            manager.remove([block_hash])
+        assert snapshot(manager) == before, "a refused remove changes nothing"
+    manager.remove(["a"])
+    assert manager.lookup(["a"]) == 0 and manager.backend.get_num_free_blocks() == 1, "a's id went back"
+    assert [e.removed for e in manager.take_events()][-1] is True, "the removal is reported as an eviction"
