@@ -17,7 +17,8 @@ layer), wait_for_save, get_finished, clear_connector_metadata.
     base                  KVConnectorRole, KVConnectorMetadata, KVConnectorBase_V1
     config                KVTransferConfig (kv_connector, kv_role, kv_connector_extra_config)
     factory               the connectors by name
-    offloading_connector  OffloadingConnector: a CPU tier (kvlab.kv_offload) behind the GPU prefix cache
+    offloading_connector  OffloadingConnector: a CPU tier and a disk tier (kvlab.kv_offload) behind the GPU
+                          prefix cache
     socket_connector      SocketConnector: disaggregated prefill/decode, a decode instance pulling a prefill
                           instance's blocks over TCP (vLLM's NixlConnector's flow)
 """

@@ -102,6 +102,8 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class _Settings:
+    """The connector's kv_connector_extra_config, checked (disk_path and disk_size None without a disk tier)."""
+
     kv_offloading_size: int
     eviction_policy: str
     offload_prompt_only: bool
