@@ -14,7 +14,7 @@ costs here from the CPU tier, from a disk file, and recomputed.
 
 Run from the repository root (about a minute)::
 
-    OMP_NUM_THREADS=1 python benchmarks/offload_run.py [--runs 3]
+    OMP_NUM_THREADS=1 python benchmarks/offload_run.py [--runs 3] [--switch-interval 0.0005]
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ def connector(block_bytes: int, disk_path: str | None) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per set-up; TTFT percentiles are their medians")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in seconds (Python's default 0.005): how long the engine's thread "
+                             "may wait for the GIL while the disk tier's reader or writer thread runs Python code")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     probe = LLM("default", num_blocks=GPU_BLOCKS)
     model, tokenizer, engine = probe.model, probe.tokenizer, probe.llm_engine
     max_model_len, block_bytes = engine.max_model_len, engine.block_bytes
@@ -73,7 +78,8 @@ def main() -> None:
         ("preemptions", lambda r: f"{r.num_preemptions}"),
     ]
     print(f"{CONVERSATIONS} conversations x {TURNS} turns, GPU pool {GPU_BLOCKS} blocks of {engine.block_size} "
-          f"tokens, CPU tier {CPU_BLOCKS} blocks, disk tier {DISK_BLOCKS} blocks; {args.runs} runs each")
+          f"tokens, CPU tier {CPU_BLOCKS} blocks, disk tier {DISK_BLOCKS} blocks; {args.runs} runs each; "
+          f"GIL switch interval {sys.getswitchinterval() * 1000:g} ms")
     print(f"{'':26}" + "".join(f"{name:>18}" for name in setups))
     for label, cell in rows:
         print(f"{label:26}" + "".join(f"{cell(first[name]):>18}" for name in setups))
