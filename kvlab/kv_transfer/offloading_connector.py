@@ -48,7 +48,9 @@ The disk tier's copies always outlast the step:
   whose header records this layout; the oldest beyond disk_size are deleted). The prefix hashes name only
   tokens, not the model: give each model its own disk_path.
 
-A write that fails (a full file system) leaves no file; the block is still marked ready and its first load
+The reader and the writer are Python threads: they share the GIL with the engine's loop, and with Python's
+default switch interval a forward pass can wait for them (benchmarks/README.md measures it). A write that fails
+(a full file system) leaves no file; the block is still marked ready and its first load
 fails as a missing file, which recomputes it and drops it. shutdown() finishes every copy, read and write.
 
 vLLM's OffloadingConnector (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py) ships a CPU
