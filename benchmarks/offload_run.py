@@ -22,14 +22,19 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kvlab
 
-from kvlab import LLM  # noqa: E402
-from kvlab.benchmarks.multi_turn import block_load_costs, multi_turn_conversations, run_conversations  # noqa: E402
+import torch  # noqa: E402
+
+from kvlab import LLM, SamplingParams  # noqa: E402
+from kvlab.benchmarks.multi_turn import multi_turn_conversations, run_conversations  # noqa: E402
+from kvlab.kv_offload.disk import DiskBlockStore  # noqa: E402
+from kvlab.kv_offload.worker import make_host_pool, swap_in  # noqa: E402
 
 GPU_BLOCKS, CPU_BLOCKS, DISK_BLOCKS = 40, 48, 512
 CONVERSATIONS, TURNS, ANSWER = 8, 4, 12
@@ -40,6 +45,49 @@ def connector(block_bytes: int, disk_path: str | None) -> dict | None:
     if disk_path is not None:
         extra.update(disk_path=disk_path, disk_size=DISK_BLOCKS * block_bytes)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def block_load_costs(engine, num_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
+    """Seconds per block on this machine, the median of `repeats`: "cpu" a host-pool block copied into the engine's
+    pools, "disk" a block file read, checked and copied (the page cache warm: just written), "recompute" a block's
+    share of one prefill of max_model_len - 1 tokens."""
+    cache = engine.cache
+    k0 = cache.k_pools[0]
+    n = min(num_blocks, k0.shape[0])
+    num_layers, (_, block_size, num_kv_heads, head_dim) = len(cache.k_pools), k0.shape
+    host = make_host_pool(n, num_layers, block_size, num_kv_heads, head_dim, k0.dtype)
+    host.normal_()
+    ids = list(range(n))
+    cpu = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        swap_in(host, ids, cache.k_pools, cache.v_pools, ids)
+        cpu.append((time.perf_counter() - t) / n)
+    disk = []
+    with tempfile.TemporaryDirectory() as directory:
+        store = DiskBlockStore(directory)
+        hashes = [i.to_bytes(32, "big") for i in ids]
+        store.save_blocks(host, ids, hashes)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for block_hash, gpu in zip(hashes, ids):
+                block = store.load(block_hash)
+                for layer, (k_pool, v_pool) in enumerate(zip(cache.k_pools, cache.v_pools)):
+                    k_pool[gpu] = block[layer, 0]
+                    v_pool[gpu] = block[layer, 1]
+            disk.append((time.perf_counter() - t) / n)
+    prompt_len = engine.max_model_len - 1
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = [int(x) for x in torch.randint(3, 60, (prompt_len,), generator=torch.Generator().manual_seed(0))]
+    recompute = []
+    for r in range(repeats + 1):
+        engine.add_request(f"prefill{r}", prompt[r:] + prompt[:r], params)  # rotated: no prefix-cache hit
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if r:  # the first is a warm-up
+            recompute.append((time.perf_counter() - t) / (prompt_len / block_size))
+    return {"cpu": median(cpu), "disk": median(disk), "recompute": median(recompute)}
 
 
 def main() -> None:

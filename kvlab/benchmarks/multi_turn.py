@@ -12,17 +12,10 @@ pool smaller than all their contexts evicts one conversation's blocks while the 
 or disk tier behind it. run_conversations reports, per run, the prompt tokens served from the GPU prefix cache
 and from each tier, the prefill tokens computed, the bytes loaded per tier, and each turn's TTFT (from the turn's
 arrival to its first token, wall clock).
-
-block_load_costs times what one block costs here three ways: copied from the CPU tier's host pool, read from a
-disk file (read, sha256, copy), and recomputed (a prefill, per block).
 """
 
-import tempfile
 import time
 from dataclasses import dataclass, field
-from statistics import median
-
-import torch
 
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.paths import ASSETS_DIR
@@ -135,49 +128,3 @@ def run_conversations(engine, conversations: list[list[list[int]]], answer_token
         result.disk_hit_tokens = getattr(connector, "num_disk_loaded_blocks", 0) * size
         result.disk_bytes_loaded = getattr(connector, "num_disk_loaded_blocks", 0) * per_block
     return result
-
-
-def block_load_costs(engine, num_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
-    """Seconds per block on this machine, the median of `repeats`: "cpu" a host-pool block copied into the engine's
-    pools, "disk" a block file read, checked and copied (the page cache warm: just written), "recompute" a block's
-    share of one prefill of max_model_len - 1 tokens."""
-    from kvlab.kv_offload.disk import DiskBlockStore
-    from kvlab.kv_offload.worker import make_host_pool, swap_in
-
-    cache = engine.cache
-    k0 = cache.k_pools[0]
-    n = min(num_blocks, k0.shape[0])
-    num_layers, (_, block_size, num_kv_heads, head_dim) = len(cache.k_pools), k0.shape
-    host = make_host_pool(n, num_layers, block_size, num_kv_heads, head_dim, k0.dtype)
-    host.normal_()
-    ids = list(range(n))
-    cpu = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        swap_in(host, ids, cache.k_pools, cache.v_pools, ids)
-        cpu.append((time.perf_counter() - t) / n)
-    disk = []
-    with tempfile.TemporaryDirectory() as directory:
-        store = DiskBlockStore(directory)
-        hashes = [i.to_bytes(32, "big") for i in ids]
-        store.save_blocks(host, ids, hashes)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for block_hash, gpu in zip(hashes, ids):
-                block = store.load(block_hash)
-                for layer, (k_pool, v_pool) in enumerate(zip(cache.k_pools, cache.v_pools)):
-                    k_pool[gpu] = block[layer, 0]
-                    v_pool[gpu] = block[layer, 1]
-            disk.append((time.perf_counter() - t) / n)
-    prompt_len = engine.max_model_len - 1
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prompt = [int(x) for x in torch.randint(3, 60, (prompt_len,), generator=torch.Generator().manual_seed(0))]
-    recompute = []
-    for r in range(repeats + 1):
-        engine.add_request(f"prefill{r}", prompt[r:] + prompt[:r], params)  # rotated: no prefix-cache hit
-        t = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        if r:  # the first is a warm-up
-            recompute.append((time.perf_counter() - t) / (prompt_len / block_size))
-    return {"cpu": median(cpu), "disk": median(disk), "recompute": median(recompute)}
