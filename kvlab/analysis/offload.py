@@ -19,7 +19,8 @@ Loading pays from the smallest n with load_time(n) < recompute_time(n):
 
 and never when a token crosses the link slower than the GPU computes it (the denominator is not positive).
 Attention's FLOPs (quadratic in the context) are left out: they make recomputing dearer, so the break-even
-found here is an upper bound. The rates are achieved ones: the datasheet's times kvlab.simulation's efficiencies.
+found here is an upper bound. The rates are achieved ones; kvlab.simulation.break_even.offload_case fills them in
+for a model config on a datasheet GPU.
 """
 
 from __future__ import annotations
@@ -106,17 +107,3 @@ class OffloadCase:
     def recompute_time_s(self, num_tokens: int) -> float:
         return recompute_time_s(num_tokens, self.num_params, self.weight_bytes, self.flops_per_s,
                                 self.memory_bytes_per_s)
-
-
-def offload_case(config, gpu, link_bytes_per_s: float, dtype: str | None = None) -> OffloadCase:
-    """The rates of config on gpu (a kvlab.simulation GPU or its name) with achieved matmul efficiencies."""
-    from kvlab.simulation.gpus import get_gpu
-    from kvlab.simulation.step_time import EFFICIENCY, ModelSpec, weight_bytes_per_gpu
-
-    spec = ModelSpec.from_config(config, dtype=dtype)
-    gpu = get_gpu(gpu)
-    weights = weight_bytes_per_gpu(spec)
-    matmul = EFFICIENCY["matmul"]
-    return OffloadCase(kv_cache_bytes_per_token(config, dtype), weights / spec.dtype_bytes, weights,
-                       gpu.flops_per_s * matmul.flops, gpu.memory_bytes_per_s * matmul.memory,
-                       _positive("link_bytes_per_s", link_bytes_per_s))

@@ -1,4 +1,5 @@
-"""Chapter 12's break-even between loading a prefix over a link and recomputing it on the GPU."""
+"""Chapter 12's break-even between loading a prefix over a link and recomputing it on the GPU (kvlab.analysis.offload,
+and kvlab.simulation.break_even for a real model on a datasheet GPU)."""
 
 import math
 import random
@@ -10,10 +11,10 @@ from kvlab.analysis.offload import (
     break_even_tokens,
     bytes_per_block,
     load_time_s,
-    offload_case,
     pass_time_s,
     recompute_time_s,
 )
+from kvlab.simulation.break_even import offload_case
 
 # A toy GPU: 1 GB of weights at 1 TB/s (1 ms a pass at least), 10 us of compute per token: the ridge is 100 tokens.
 TOY = dict(num_params=0.5e9, weight_bytes=1e9, flops_per_s=100e12, memory_bytes_per_s=1e12)
