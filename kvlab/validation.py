@@ -3,6 +3,7 @@
 Plain Python only, so the torch-free layers (core, analysis) use them too.
 """
 
+import json
 import math
 import numbers
 
@@ -79,3 +80,19 @@ def _int_words(minimum: int) -> str:
     if minimum == 0:
         return "a non-negative integer"
     return f"an integer >= {minimum}"
+
+
+def config_mapping(name: str, value, keys) -> dict:
+    """A sub-config given as a dict or its JSON string (as on the command line), with only the known keys."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name} is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or its JSON) with keys among {', '.join(keys)}, got {value!r}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ValueError(f"{name} has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"it knows {', '.join(keys)}")
+    return value

@@ -23,13 +23,13 @@ network. An endpoint's port may be "*" (a free port); the bound address is then 
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
 
 from kvlab.core.kv_events import KVEventBatch, as_wire
+from kvlab.validation import config_mapping
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 PUBLISHERS = ("null", "zmq")
@@ -74,20 +74,7 @@ class KVEventsConfig:
         """A config from a KVEventsConfig, a dict with vLLM's keys, or that dict as a JSON string."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"kv_events_config is not JSON: {err}") from None
-        names = [f.name for f in fields(cls)]
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a dict (or its JSON) with keys among {', '.join(names)}, "
-                             f"got {value!r}")
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown key{'s' if len(unknown) > 1 else ''} "
-                             f"{', '.join(unknown)}; it knows {', '.join(names)}")
-        return cls(**value)
+        return cls(**config_mapping("kv_events_config", value, [f.name for f in fields(cls)]))
 
 
 class NullEventPublisher:

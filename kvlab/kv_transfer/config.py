@@ -8,10 +8,10 @@ kv_role says which way K/V flow: kv_producer instances only save (a prefill inst
 set-up), kv_consumer instances only load (its decode instance), kv_both do both (an offloading tier).
 """
 
-import json
 from dataclasses import dataclass, field
 
 from kvlab.kv_transfer.factory import known_connectors
+from kvlab.validation import config_mapping
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FIELDS = ("kv_connector", "kv_role", "kv_connector_extra_config")
@@ -55,18 +55,7 @@ class KVTransferConfig:
         """A config from a KVTransferConfig, a dict with vLLM's keys, or that dict as a JSON string."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"kv_transfer_config is not JSON: {err}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict (or its JSON) with the keys {', '.join(FIELDS)}, "
-                             f"got {value!r}")
-        unknown = sorted(set(value) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown key{'s' if len(unknown) > 1 else ''} "
-                             f"{', '.join(unknown)}; it knows {', '.join(FIELDS)}")
+        value = config_mapping("kv_transfer_config", value, FIELDS)
         if "kv_connector" not in value:
             raise ValueError(f"kv_transfer_config.kv_connector is missing; kvlab knows {', '.join(known_connectors())}")
         return cls(**value)
