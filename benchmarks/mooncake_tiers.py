@@ -14,10 +14,9 @@ Reported per row: the share of prompt tokens the GPU prefix cache served and the
 prompt counted once, at its first admission; a preempted request's own blocks found again are counted apart),
 the prompt tokens computed and those saved against the GPU-only row (the tier's share split into CPU and
 disk), TTFT and TPOT at p50 / p90 / p99, the copies' totals, preemptions. Then what one hit costs: a single
-request of n tokens whose prefix is in the tier, its TTFT
-loaded against computed on one GPU of the same model, and the link speed below which loading a token costs more than
-computing it in a prefill (bytes per token / the step-time model's marginal prefill time per token); the same
-single request loaded from the disk tier.
+request of n tokens whose prefix is in the tier, its TTFT loaded (from the CPU tier, then from the disk tier)
+against computed on one GPU of the same model, and the link speed below which loading a token costs more than
+computing it in a prefill (bytes per token / the step-time model's marginal prefill time per token).
 
     OMP_NUM_THREADS=1 python benchmarks/mooncake_tiers.py [--tp 4] [--cpu-gb 100 500 1000] [--disk-cpu-gb 500]
         [--disk-gb 2000 8000] [--requests N] [--jobs 1] [--json benchmarks/saved/mooncake_tiers.json]
