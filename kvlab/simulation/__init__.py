@@ -7,9 +7,9 @@ deployment by vLLM's start-up arithmetic.
     capacity    KV blocks and tokens of a deployment: GPU, tensor parallelism, gpu_memory_utilization, KV dtype
     engine      kvlab's own Scheduler and KVCacheManager over a runner that runs no model, on a virtual clock of
                 step times (simulate: a trace through paging, Orca's reservations or static batching; a CPU tier
-                through the real OffloadingConnector with kv_offloading_size)
-    offload     the offloading connector's copies on that clock: PCIe links per GPU, async loads, saves beside
-                the forward pass
+                and a disk tier through the real OffloadingConnector with kv_offloading_size and kv_disk_size)
+    offload     the offloading connector's copies on that clock: PCIe links and an NVMe drive per GPU, async
+                loads, saves beside the forward pass, disk writes reported when their virtual write ends
     planning    capacity planning on the simulated engine: a step's roofline, the highest rate under a TTFT/TPOT
                 SLO (bisection over simulations), the fewest GPUs (replicas x tensor-parallel degree) for a rate
 """

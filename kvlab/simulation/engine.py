@@ -34,7 +34,11 @@ over PCIe host -> GPU, asynchronous as in vLLM (the request waits in WAITING_FOR
 finished at the end of the first step that ends after its copy) or, for a connector that loads synchronously,
 delaying the step's forward pass; saves GPU -> host beside the forward pass, a step lasting max(pass, saves). A
 step with nothing to compute while a load is in flight lasts until that load ends (the engine only polls), and
-an idle engine jumps to the next arrival or the end of a load, whichever comes first.
+an idle engine jumps to the next arrival or the end of a load, whichever comes first. With a disk tier
+(kv_disk_size) the connector also orders disk loads, asynchronous at the drive's read rate, and write-through disk
+writes, queued on the drive from the end of their step and reported in finished_sending once done, so a lookup
+finds a block on disk only after its write's virtual end; while writes are in flight the engine keeps stepping (as
+the live engine does while the connector has_pending_saves), an empty step lasting until the first copy ends.
 
 Not modelled: swap preemption's copies over PCIe (the scheduler swaps; the copies cost no time), speculative
 decoding, and the CPU's scheduling time beyond the stated per-step cost.
@@ -43,6 +47,8 @@ decoding, and the CPU's scheduling time beyond the stated per-step cost.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +66,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.scheduler_output import SchedulerOutput
 from kvlab.simulation.capacity import kv_capacity
 from kvlab.simulation.gpus import GPU, get_gpu
-from kvlab.simulation.offload import KVTransferLinks, SimulatedKVTransfers
+from kvlab.simulation.offload import KVTransferLinks, SimulatedDiskFiles, SimulatedKVTransfers
 from kvlab.simulation.step_time import DEFAULT_STEP_OVERHEAD_S, ModelSpec, Op, layer_ops, op_seconds, step_time
 from kvlab.validation import check_number, check_positive_int
 
@@ -271,6 +277,11 @@ class SimulationResult:
     num_tier_reloaded_tokens: int = 0  # tokens a request re-admitted after a preemption loaded back from the tier
     num_loaded_blocks: int = 0        # blocks copied host -> GPU
     num_saved_blocks: int = 0         # blocks copied GPU -> host
+    num_disk_hit_tokens: int = 0      # of num_tier_hit_tokens, those loaded from the disk tier
+    num_disk_loaded_blocks: int = 0   # blocks read from the disk tier
+    num_disk_written_blocks: int = 0  # blocks written to the disk tier
+    disk_load_s: float = 0.0          # drive read time of every disk load
+    disk_write_s: float = 0.0         # drive write time of every disk write
     load_s: float = 0.0               # copy time of every load
     save_s: float = 0.0               # copy time of every save
     load_wait_s: float = 0.0          # time forward passes waited for synchronous loads
@@ -278,8 +289,13 @@ class SimulationResult:
 
     @property
     def tier_hit_rate(self) -> float:
-        """Share of the prompts' tokens loaded from the offloading tier at first admission."""
+        """Share of the prompts' tokens loaded from the offloading tier (CPU or disk) at first admission."""
         return self.num_tier_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def disk_hit_rate(self) -> float:
+        """Share of the prompts' tokens loaded from the disk tier at first admission."""
+        return self.num_disk_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -356,11 +372,21 @@ class SimulatedEngine:
                                    if preemption_mode == "swap" else 0, kv_connector=kv_connector)
         self.model_runner = SimulatedModelRunner()
         # The connector's worker half, as timings: when each step's copies end on the virtual clock.
-        self.kv_transfers = None if kv_transfer_links is None else SimulatedKVTransfers(kv_transfer_links)
+        self.kv_transfers = None
+        if kv_transfer_links is not None:
+            disk_files = None
+            if getattr(kv_connector, "disk_manager", None) is not None:
+                # The scheduler half asks its store whether a loaded block's file still exists; here the files are
+                # the simulated worker's, so that store is swapped for theirs (the directory stays untouched).
+                disk_files = SimulatedDiskFiles()
+                kv_connector.disk_store = disk_files
+            self.kv_transfers = SimulatedKVTransfers(kv_transfer_links, disk_files)
         self.now = 0.0                    # the virtual clock at the start of the next step (run() keeps it)
         self.num_tier_hit_tokens = 0
         self.num_tier_reloaded_tokens = 0
+        self.num_disk_hit_tokens = 0
         self._last_finished_recving = None
+        self._last_finished_sending = None
         self.step_count = 0
         self.num_tokens_computed = 0
         self.num_prompt_tokens = 0
@@ -430,8 +456,12 @@ class SimulatedEngine:
         scheduler = self.scheduler
         if scheduler_output.total_num_scheduled_tokens or scheduler.running or scheduler.waiting_for_remote_kvs:
             return False
+        if self.kv_transfers is not None and self.kv_transfers.pending_writes:
+            return False
         metadata = scheduler_output.kv_connector_metadata
-        return not (self._last_finished_recving or (metadata is not None and getattr(metadata, "loads", None)))
+        return not (self._last_finished_recving or self._last_finished_sending or
+                    (metadata is not None and (getattr(metadata, "loads", None) or
+                                               getattr(metadata, "disk_loads", None))))
 
     def _time_copies(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                      compute_s: float) -> float:
@@ -440,20 +470,26 @@ class SimulatedEngine:
         transfers, now = self.kv_transfers, self.now
         metadata = scheduler_output.kv_connector_metadata
         size, requests = self.block_size, self.scheduler.requests
-        for rid, pairs in metadata.loads.items():
+        disk_loads = getattr(metadata, "disk_loads", {})
+        for rid in metadata.loads.keys() | disk_loads.keys():
+            tokens = (len(metadata.loads.get(rid, ())) + len(disk_loads.get(rid, ()))) * size
             if requests[rid].num_preemptions:
-                self.num_tier_reloaded_tokens += len(pairs) * size
+                self.num_tier_reloaded_tokens += tokens
             else:
-                self.num_tier_hit_tokens += len(pairs) * size
+                self.num_tier_hit_tokens += tokens
+                self.num_disk_hit_tokens += len(disk_loads.get(rid, ())) * size
         wait = transfers.start_load_kv(metadata, scheduler_output.num_scheduled_tokens, now)
         save = transfers.save_seconds(metadata)
         if scheduler_output.total_num_scheduled_tokens:
             transfers.save_bound_s += max(0.0, save - compute_s)
             end = now + wait + max(compute_s, save)
-        else:  # nothing to compute: the engine polls until the first load in flight ends
-            first = transfers.next_load_end()
+        else:  # nothing to compute: the engine polls until the first load or disk write in flight ends
+            first = transfers.next_copy_end()
             end = now + compute_s if first is None else max(now + compute_s, first)
+        transfers.start_disk_writes(metadata, end)
         runner_output.finished_recving = self._last_finished_recving = transfers.get_finished(end)
+        runner_output.finished_sending = self._last_finished_sending = (
+            transfers.get_finished_sending(end) if transfers.disk_files is not None else None)
         return end - now
 
     def run(self, requests: Iterable[SimRequest], record_steps: bool = False,
@@ -477,14 +513,15 @@ class SimulatedEngine:
                 active[rid] = timing
                 last_arrival = pending.arrival
                 pending = _next_request(source, last_arrival, len(timings))
-            if not self.has_unfinished_requests():
+            writing = self.kv_transfers is not None and bool(self.kv_transfers.pending_writes)
+            if not self.has_unfinished_requests() and not writing:
                 if pending is None:
                     break
                 now = max(now, pending.arrival)  # idle: jump to the next arrival
                 continue
             if pending is not None and self.kv_transfers is not None and \
                     not self.scheduler.has_schedulable_requests():
-                first = self.kv_transfers.next_load_end()
+                first = self.kv_transfers.next_copy_end()
                 if first is not None and pending.arrival < first:
                     now = pending.arrival  # only loads in flight: the next arrival comes before any ends
                     continue
@@ -519,6 +556,10 @@ class SimulatedEngine:
             result.num_loaded_blocks, result.num_saved_blocks = transfers.num_loaded_blocks, transfers.num_saved_blocks
             result.load_s, result.save_s = transfers.load_s, transfers.save_s
             result.load_wait_s, result.save_bound_s = transfers.load_wait_s, transfers.save_bound_s
+            result.num_disk_hit_tokens = self.num_disk_hit_tokens
+            result.num_disk_loaded_blocks = transfers.num_disk_loaded_blocks
+            result.num_disk_written_blocks = transfers.num_disk_written_blocks
+            result.disk_load_s, result.disk_write_s = transfers.disk_load_s, transfers.disk_write_s
         return result
 
 
@@ -607,7 +648,7 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
              gpu_memory_utilization: float = 0.92, step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
              step_time_fn: StepTimeFn | None = None, static_batch_size: int | None = None,
              record_steps: bool = False, kv_offloading_size: int = 0, eviction_policy: str = "lru",
-             async_kv_loads: bool = True, host_link_bytes_per_s: float | None = None,
+             async_kv_loads: bool = True, host_link_bytes_per_s: float | None = None, kv_disk_size: int = 0,
              **engine_knobs) -> SimulationResult:
     """Serve a trace with one system on a simulated deployment.
 
@@ -620,7 +661,9 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
     kv_offloading_size: bytes of host memory for a CPU tier (vLLM's --kv-offloading-size, the whole deployment's;
     0: no tier, the engine without a connector), an OffloadingConnector with eviction_policy (lru or arc) and
     asynchronous loads unless async_kv_loads=False. Copies run at host_link_bytes_per_s per GPU and direction,
-    by default the GPU's host link (kvlab.simulation.offload.host_link_bytes_per_s).
+    by default the GPU's host link (kvlab.simulation.offload.host_link_bytes_per_s). kv_disk_size: bytes of a
+    disk tier behind the CPU tier (the connector's disk_size; 0: none, exactly the CPU tier alone), its copies at
+    kvlab.simulation.offload's NVMe rates.
     """
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {system!r}")
@@ -652,9 +695,14 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
     if isinstance(kv_offloading_size, bool) or not isinstance(kv_offloading_size, int) or kv_offloading_size < 0:
         raise ValueError(f"kv_offloading_size must be a number of bytes >= 0 (0: no CPU tier), got "
                          f"{kv_offloading_size!r}")
+    if isinstance(kv_disk_size, bool) or not isinstance(kv_disk_size, int) or kv_disk_size < 0:
+        raise ValueError(f"kv_disk_size must be a number of bytes >= 0 (0: no disk tier), got {kv_disk_size!r}")
+    if kv_disk_size and not kv_offloading_size:
+        raise ValueError(f"kv_disk_size={kv_disk_size} needs a CPU tier in front of the disk: give "
+                         "kv_offloading_size too")
     if kv_offloading_size:
         engine_knobs.update(offloading_tier(spec, gpu, tensor_parallel_size, block_size, kv_offloading_size,
-                                            eviction_policy, async_kv_loads, host_link_bytes_per_s))
+                                            eviction_policy, async_kv_loads, host_link_bytes_per_s, kv_disk_size))
     engine = SimulatedEngine(step_time_fn, num_blocks, max_model_len, block_size, max_num_seqs,
                              max_num_batched_tokens, enable_prefix_caching,
                              reservation_policy=None if system == "paged" else system.removeprefix("orca-"),
@@ -665,19 +713,30 @@ def simulate(requests: Iterable[SimRequest], model="llama-3-8b", gpu: GPU | str 
 
 def offloading_tier(model: ModelSpec, gpu: GPU | str, tensor_parallel_size: int, block_size: int,
                     kv_offloading_size: int, eviction_policy: str = "lru", async_kv_loads: bool = True,
-                    host_link_bytes_per_s: float | None = None) -> dict:
+                    host_link_bytes_per_s: float | None = None, kv_disk_size: int = 0) -> dict:
     """SimulatedEngine's kv_connector (the real OffloadingConnector's scheduler half, sized by kv_offloading_size
-    bytes over the model's whole blocks) and kv_transfer_links (each GPU's share of a block over its host link)."""
+    bytes over the model's whole blocks, with a disk tier of kv_disk_size bytes unless 0) and kv_transfer_links
+    (each GPU's share of a block over its host link and its drive)."""
     from kvlab.kv_offload import kv_bytes_per_block
     from kvlab.kv_transfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
 
     bytes_per_block = kv_bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim,
                                          model.dtype_bytes)
-    config = KVTransferConfig("OffloadingConnector", "kv_both",
-                              {"kv_offloading_size": kv_offloading_size, "eviction_policy": eviction_policy,
-                               "async_loads": async_kv_loads})
-    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, block_size=block_size,
-                                                    bytes_per_block=bytes_per_block)
+    extra = {"kv_offloading_size": kv_offloading_size, "eviction_policy": eviction_policy,
+             "async_loads": async_kv_loads}
+    disk_path = None
+    if kv_disk_size:
+        # The connector's store makes its directory; the scheduler half writes nothing there and the simulated
+        # worker keeps its files in memory, so the directory is removed at once (rmdir fails if anything was written).
+        disk_path = tempfile.mkdtemp(prefix="kvlab-sim-disk-")
+        extra.update(disk_path=disk_path, disk_size=kv_disk_size)
+    config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
+    try:
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, block_size=block_size,
+                                                        bytes_per_block=bytes_per_block)
+    finally:
+        if disk_path is not None:
+            os.rmdir(disk_path)
     if host_link_bytes_per_s is None:
         links = KVTransferLinks.for_deployment(bytes_per_block, gpu, tensor_parallel_size)
     else:
