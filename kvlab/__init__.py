@@ -27,7 +27,10 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
   kv_offload/ tiers behind the GPU pool (vLLM's v1/kv_offload): the OffloadingManager with LRU and ARC
               eviction, a CPU tier and a disk tier (checksummed safetensors files), block movers (worker)
   kv_transfer/ the KV connector API (vLLM's distributed/kv_transfer): base, config (KVTransferConfig),
-              factory, offloading_connector (the CPU tier behind the prefix cache)
+              factory, offloading_connector (CPU and disk tiers behind the prefix cache), socket_connector
+              (disaggregated prefill/decode: a decode server pulls a prefill server's blocks by id; Ch 12)
+  router/     routing across replicas by their caches: kv_index (block hash -> replicas, from KV-cache events;
+              the longest consecutive hit; Dynamo's cost of prefill blocks plus active blocks)
   engine/     the serving engine (Ch 6), in vLLM V1's parts: config (EngineConfig and its Model/Cache/Scheduler
               parts), kv_cache_utils (pool sizing), sampling_params, request, input_processor, scheduler
               (its rules as pure functions; owns request state), scheduler_output (what the scheduler hands the
@@ -38,7 +41,8 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
   benchmarks/ how kvlab measures (vLLM's vllm/benchmarks): latency definitions, datasets and Poisson
               arrivals, the online replay, step timing, the block-size sweep, 8-bit capacity and perplexity
   entrypoints/ kvlab serve (Ch 9): the OpenAI-compatible server (openai/: protocol, serving_completion,
-              serving_chat, api_server), the CLI, the Prometheus export, a background server for notebooks
+              serving_chat, api_server), the CLI, the Prometheus export, a background server for notebooks,
+              kvlab proxy and the launcher of a prefill/decode pair (disagg_proxy, disagg; Ch 12)
   widgets/    the block map and the timeline; they draw plain data and nothing imports them but notebooks
   course/     the notebooks' checks (checks, kernel_checks), loaded afresh by every test cell
 

@@ -53,6 +53,8 @@ ALLOWED_KVLAB = {
                          "kvlab.benchmarks", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
     "kvlab.course": {"kvlab.kernels"},
+    # A router's index over replicas' caches reads only the events' schema and the block hashes.
+    "kvlab.router": {"kvlab.core", "kvlab.validation"},
     # The HTTP server sits on the engine; nothing below imports it.
     "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.validation"},
     "kvlab.serve": {"kvlab.entrypoints"},
