@@ -154,6 +154,10 @@ def run_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                               shlex.split(args.router_args), args.hash_seed, args.log_dir, args.host, args.port)
     except ValueError as err:
         parser.exit(2, f"kvlab replicas: {err}\n")
+    except RuntimeError as err:  # a process that would not start (its log's end is in the message)
+        parser.exit(1, f"kvlab replicas: {err}\n")
+    except KeyboardInterrupt:  # interrupted while starting: what had started is stopped already
+        return
     try:
         print(f"kvlab replicas: router on {replicas.router_url} (policy {args.policy}; stats at /router/stats), "
               f"replicas {', '.join(replicas.replica_urls)}; logs in {replicas.log_dir}. Ctrl-C stops all.",
