@@ -40,6 +40,7 @@ TEXT_PATH = ASSETS_DIR / "text" / "shakespeare.txt"
 # Counters read from each replica's /metrics (Prometheus family names, without the _total suffix).
 COUNTERS = ("vllm:request_success", "vllm:prompt_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:generation_tokens", "vllm:num_preemptions")
+REPLICA_HEADER = "x-kvlab-replica"  # kvlab router's answers name the replica that served them
 
 
 def _positive_int(name: str, value) -> int:
@@ -198,6 +199,7 @@ class RequestRecord:
     conversation: int
     turn: int
     prompt_tokens: int = 0     # the server's usage.prompt_tokens
+    replica: str | None = None # the replica a router names in its x-kvlab-replica header (None: no router)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     answer: str = ""
@@ -293,6 +295,7 @@ async def _one_turn(http, url: str, model: str, messages: list[dict], max_tokens
         if response.status_code != 200:
             raise RuntimeError(f"conversation {record.conversation} turn {record.turn}: HTTP {response.status_code} "
                                f"{(await response.aread())[:300]!r}")
+        record.replica = response.headers.get(REPLICA_HEADER)
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
