@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,10 +47,19 @@ BASELINE = "1 replica"
 @contextlib.contextmanager
 def single_replica(serve_args: list[str], hash_seed: str):
     """One `kvlab serve` on a free loopback port; yields its URL and stops it on exit."""
-    from kvlab.entrypoints.disagg import _healthy, free_port
+    import httpx
 
-    port = free_port()
+    with socket.socket() as sock:  # a port free now; the replica binds it a moment later
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     env = {**os.environ, "PYTHONHASHSEED": hash_seed,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryFile() as log:
@@ -58,7 +68,7 @@ def single_replica(serve_args: list[str], hash_seed: str):
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
             deadline = time.monotonic() + 180
-            while not _healthy(url):
+            while not healthy():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     raise RuntimeError(f"the replica did not start:\n{log.read()[-2000:].decode(errors='replace')}")
