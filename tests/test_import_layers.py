@@ -57,8 +57,9 @@ ALLOWED_KVLAB = {
     "kvlab.course": {"kvlab.kernels"},
     # A router's index over replicas' caches reads only the events' schema and the block hashes.
     "kvlab.router": {"kvlab.core", "kvlab.validation"},
-    # The HTTP server sits on the engine; nothing below imports it.
-    "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.validation"},
+    # The HTTP server sits on the engine; nothing below imports it. Its router hashes prompts as the engine does
+    # (core) and places them with the router's index and policies.
+    "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.core", "kvlab.router", "kvlab.validation"},
     "kvlab.serve": {"kvlab.entrypoints"},
     "kvlab": {"kvlab.engine", "kvlab.model"},  # the public API, imported lazily by __init__
 }
