@@ -83,9 +83,10 @@ def single_replica(serve_args: list[str], hash_seed: str):
                 proc.wait(10)
 
 
-def routed_counts(stats_before: dict, stats_after: dict) -> list[int]:
-    """Requests the router sent to each replica over the run, from its /router/stats before and after."""
-    return [a["routed"] - b["routed"] for b, a in zip(stats_before["replicas"], stats_after["replicas"])]
+def routed_counts(stats_before: dict, stats_after: dict) -> dict[str, int]:
+    """Requests the router sent to each replica (by URL) over the run, from its /router/stats before and after."""
+    before = {r["url"].rstrip("/"): r["routed"] for r in stats_before["replicas"]}
+    return {r["url"].rstrip("/"): r["routed"] - before.get(r["url"].rstrip("/"), 0) for r in stats_after["replicas"]}
 
 
 def run_one(policy: str, workload, args):
@@ -104,7 +105,7 @@ def run_one(policy: str, workload, args):
         result = asyncio.run(run_workload(workload, replicas.router_url, replica_urls=replicas.replica_urls,
                                           router_url=replicas.router_url, **kwargs))
     routed = routed_counts(result.router_stats_before, result.router_stats)
-    served = [r.requests for r in result.replicas]
+    served = {r.url: r.requests for r in result.replicas}
     if routed != served:
         raise RuntimeError(f"{policy}: the router counts {routed} requests per replica, their /metrics {served}")
     return result

@@ -42,5 +42,6 @@ def test_a_different_answer_is_reported():
     equal, sentence = module.compare_answers({"round-robin": [run("Ay")], "kv-cost": [run("Ay"), run("Nay")]})
     assert not equal and "kv-cost run 2" in sentence and "conversation 0 turn 1" in sentence
     assert module.compare_answers({"round-robin": [run("Ay")], "kv-cost": [run("Ay")]})[0]
-    stats = {"replicas": [{"routed": 3}, {"routed": 5}]}
-    assert module.routed_counts(stats, {"replicas": [{"routed": 7}, {"routed": 5}]}) == [4, 0]
+    stats = {"replicas": [{"url": "http://a:1", "routed": 3}, {"url": "http://b:2/", "routed": 5}]}
+    after = {"replicas": [{"url": "http://b:2/", "routed": 5}, {"url": "http://a:1", "routed": 7}]}
+    assert module.routed_counts(stats, after) == {"http://a:1": 4, "http://b:2": 0}
