@@ -21,6 +21,7 @@ import argparse
 import json
 import shlex
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -87,6 +88,18 @@ class ReplicaSet(ProcessGroup):
         except BaseException:
             self.stop()
             raise
+
+    def stop(self) -> None:
+        """Stop the router first (it would log every replica going away as a crash), then the replicas."""
+        router = self._procs.get("router")
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait(10)
+        super().stop()
 
     def _start_replica(self, i: int, hash_seed: str | None = None) -> None:
         ports = self.ports[i]
