@@ -77,9 +77,10 @@ class HybridKVCacheManager:
     """One block pool for every KV-cache group of a hybrid model, under Chapter 4's KVCacheManager calls."""
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
-                 enable_prefix_caching: bool = True, prefix_caching_hash_algo: str = "sha256"):
+                 enable_prefix_caching: bool = True, prefix_caching_hash_algo: str = "sha256",
+                 hash_seed: str | None = None):
         self.coordinator = HybridKVCacheCoordinator(kv_cache_groups, num_blocks, enable_prefix_caching,
-                                                    prefix_caching_hash_algo)
+                                                    prefix_caching_hash_algo, hash_seed)
         sizes = self.coordinator.block_sizes
         if len(sizes) != 1:
             raise ValueError(f"the groups' block sizes differ ({sizes}): kvlab's engine runs one block size")

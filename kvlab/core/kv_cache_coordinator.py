@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from kvlab.core.block_pool import BlockPool, KVCacheBlock
 from kvlab.core.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-from kvlab.core.prefix_cache import get_hash_fn
+from kvlab.core.prefix_cache import get_hash_fn, none_hash
 from kvlab.core.single_type_kv_cache_manager import manager_for
 from kvlab.validation import check_int, check_positive_int, is_integer
 
@@ -30,7 +30,8 @@ class HybridKVCacheCoordinator:
     """Block tables of running requests, one per KV-cache group, over one BlockPool whose block 0 is the null block."""
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
-                 enable_prefix_caching: bool = True, prefix_caching_hash_algo: str = "sha256"):
+                 enable_prefix_caching: bool = True, prefix_caching_hash_algo: str = "sha256",
+                 hash_seed: str | None = None):
         groups = list(kv_cache_groups)
         if not groups:
             raise ValueError("kv_cache_groups is empty: a model has at least one group of layers")
@@ -52,6 +53,7 @@ class HybridKVCacheCoordinator:
         # A hit must end on a block boundary of every group.
         self.hit_alignment = math.lcm(*self.block_sizes)
         self.hash_fn = get_hash_fn(prefix_caching_hash_algo)
+        self.none_hash = none_hash(hash_seed)  # the chains' root (kvlab.core.prefix_cache)
         self.num_tokens: dict[object, int] = {}
         self._req_tokens: dict[object, list[int]] = {}
         self._req_hashes: dict[object, dict[int, list]] = {}
@@ -85,7 +87,7 @@ class HybridKVCacheCoordinator:
     # ----- prefix hits -----
     def _hashes(self, token_ids: Sequence[int], block_size: int, known: list | None = None) -> list:
         hashes = list(known or [])
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else self.none_hash
         for start in range(len(hashes) * block_size, len(token_ids) // block_size * block_size, block_size):
             parent = self.hash_fn(parent, token_ids[start:start + block_size], None)
             hashes.append(parent)

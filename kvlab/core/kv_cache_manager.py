@@ -45,7 +45,7 @@ from kvlab.core.block_pool import KVCacheBlock, PooledBlockManager
 from kvlab.core.block_views import pool_block_view
 from kvlab.core.draft_tokens import plan_rollback
 from kvlab.core.paging import num_blocks_needed, slot_mapping_for
-from kvlab.core.prefix_cache import get_hash_fn
+from kvlab.core.prefix_cache import get_hash_fn, none_hash
 from kvlab.validation import check_int, is_integer
 
 
@@ -58,7 +58,7 @@ class KVCacheManager(PooledBlockManager):
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False,
                  prefix_caching_hash_algo: str = "sha256", reservation_arena=None,
-                 enable_kv_cache_events: bool = False):
+                 enable_kv_cache_events: bool = False, hash_seed: str | None = None):
         if reservation_arena is not None and (
                 not all(hasattr(reservation_arena, a) for a in ("allocate", "free", "largest_range", "num_slots"))
                 or reservation_arena.num_slots != num_blocks):
@@ -71,6 +71,9 @@ class KVCacheManager(PooledBlockManager):
         # vLLM's --prefix-caching-hash-algo (kvlab.core.prefix_cache): sha256 unless a simulation asks for builtin.
         self.hash_fn = get_hash_fn(prefix_caching_hash_algo)
         self.prefix_caching_hash_algo = prefix_caching_hash_algo
+        # The first block's parent: every hash of this pool depends on it (vLLM's NONE_HASH from PYTHONHASHSEED).
+        self.hash_seed = hash_seed
+        self.none_hash = none_hash(hash_seed)
         super().__init__(num_blocks, block_size, enable_prefix_caching, enable_kv_cache_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.use_eagle = use_eagle  # drop the last block of every cache hit: its hidden states must be recomputed
@@ -132,7 +135,7 @@ class KVCacheManager(PooledBlockManager):
             return [], 0
         size, hash_fn, get_cached_block = self.block_size, self.hash_fn, self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
-        parent = None
+        parent = self.none_hash
         for start in range(0, (len(token_ids) - 1) // size * size, size):
             parent = hash_fn(parent, token_ids[start:start + size], extra_keys)
             block = get_cached_block(parent)
@@ -312,7 +315,9 @@ class KVCacheManager(PooledBlockManager):
             return
         hashes, hash_fn, extra_keys = self._req_hashes[request_id], self.hash_fn, self._req_extra_keys[request_id]
         first_new = len(hashes)
-        parent = first_parent = hashes[-1] if hashes else None
+        # Events name a first block's parent None, as vLLM's do; the chain itself starts from the seed's root.
+        first_parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else self.none_hash
         full = len(tail) // size * size
         for start in range(0, full, size):
             parent = hash_fn(parent, tail[start:start + size], extra_keys)

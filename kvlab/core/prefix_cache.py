@@ -13,13 +13,16 @@ built-in hash() would be faster but is only 64 bits (a collision would silently 
 prompt's K/V), and it is salted per process for str and bytes (PYTHONHASHSEED): a tuple of ints
 hashes the same in every process, but a LoRA name or cache salt among the extra keys would not.
 
-The first block's parent: vLLM does not use None but NONE_HASH, 32 random bytes drawn at start-up
-(os.urandom; its source says: against hash collisions, as Python salts its own hash()), or the hash
-of PYTHONHASHSEED when that is set, so that processes can share the seed: processes that must agree
-on block hashes (the prefill and decode instances of a disaggregated set-up, a router reading
-KV-cache events) need the same PYTHONHASHSEED. kvlab keeps a fixed seed, the parent None, so that a
-block's hash is the same in every process and every run: tests can pin a digest and notebooks show
-the same hashes each time. (vLLM's cache_salt, for isolating tenants, has no counterpart here.)
+The first block's parent: vLLM does not use None but NONE_HASH (vllm/v1/core/kv_cache_utils.py,
+init_none_hash): 32 random bytes drawn at start-up (os.urandom, against collisions, as Python salts its own
+hash()), or a hash of PYTHONHASHSEED when that is set. Since every later hash folds in its parent's, the seed
+names every block: processes that must agree on block hashes (the prefill and decode instances of a disaggregated
+set-up, a router reading replicas' KV-cache events, a disk tier read after a restart) need the same
+PYTHONHASHSEED. kvlab has the same knob, hash_seed (`kvlab serve` takes PYTHONHASHSEED as its default, as vLLM
+does); none_hash(seed) is the root. Where vLLM draws random bytes for an unset seed, kvlab keeps a fixed root,
+the parent None, so that without a seed a block's hash is the same in every process and every run: tests can pin
+a digest and notebooks show the same hashes each time. (vLLM's cache_salt, for isolating tenants, has no
+counterpart here.)
 
 The hash function is a named choice, as vLLM's --prefix-caching-hash-algo is (vllm/utils/hashing.py offers
 sha256, its default and kvlab's, sha256_cbor, xxhash and xxhash_cbor). kvlab adds "builtin": Python's hash() of
@@ -34,6 +37,15 @@ import pickle
 from collections.abc import Hashable, Sequence
 
 BlockHash = bytes
+
+
+def none_hash(hash_seed: str | int | None = None) -> BlockHash | None:
+    """The parent of a chain's first block: None (kvlab's fixed root) without a seed, else a digest of the seed."""
+    if hash_seed is None:
+        return None
+    if isinstance(hash_seed, bool) or not isinstance(hash_seed, (str, int)) or str(hash_seed) == "":
+        raise ValueError(f"hash_seed must be a non-empty string (as PYTHONHASHSEED is) or None, got {hash_seed!r}")
+    return hashlib.sha256(pickle.dumps(("hash_seed", str(hash_seed)), protocol=5)).digest()
 
 
 def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int],
@@ -61,10 +73,11 @@ def get_hash_fn(name: str):
         raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_FUNCTIONS)}, got {name!r}") from None
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Hashable | None = None) -> list[BlockHash]:
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Hashable | None = None,
+                 hash_seed: str | int | None = None) -> list[BlockHash]:
     """Hashes of every full block of a sequence, first block first; a partly filled last block gets none."""
     hashes: list[BlockHash] = []
-    parent = None
+    parent = none_hash(hash_seed)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
         hashes.append(parent)

@@ -18,6 +18,7 @@ an engine is built (kvlab.engine.kv_cache_utils), as vLLM sizes its pool after l
 
 import argparse
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -82,6 +83,13 @@ def _boolean(name, value):
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def _hash_seed(name, value):
+    # A string, as PYTHONHASHSEED is; an int is taken as its decimal spelling (the same seed either way).
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+        raise ValueError(f"{name} must be a non-empty string such as PYTHONHASHSEED's value, or None, got {value!r}")
+    return str(value)
 
 
 def _kv_cache_memory(name, value):
@@ -175,6 +183,10 @@ class CacheConfig(_Checked):
                                lambda n, v: resolve_kv_cache_dtype(v),
                                choices=("auto", "int8", "fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"))
     enable_prefix_caching: bool = knob(True, "reuse the K/V of full blocks that earlier prompts computed", _boolean)
+    hash_seed: str | None = knob(None, "the root of every block hash (vLLM's NONE_HASH): engines that must name "
+                                       "blocks alike (replicas behind a cache-aware router, a disk tier after a "
+                                       "restart) share it; kvlab serve defaults to $PYTHONHASHSEED, as vLLM does; "
+                                       "unset: kvlab's fixed root", _optional(_hash_seed))
     num_cpu_blocks: int | None = knob(None, "blocks in the CPU pool that swap preemption copies to "
                                             "(default: as many as the device pool)",
                                       _optional(lambda n, v: check_int(n, v, 0)), parse=int)
@@ -328,6 +340,9 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        """The config that parsed command-line arguments describe."""
+        """The config that parsed command-line arguments describe (--hash-seed defaults to $PYTHONHASHSEED)."""
         names = cls.knob_names()
-        return cls.from_kwargs(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+        knobs = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        if knobs.get("hash_seed") is None and os.environ.get("PYTHONHASHSEED"):
+            knobs["hash_seed"] = os.environ["PYTHONHASHSEED"]
+        return cls.from_kwargs(**knobs)

@@ -99,14 +99,16 @@ class LLMEngine:
         self.kv_event_publisher = make_publisher(events) if self.kv_events_enabled else None
         if self.kv_cache_groups is not None:
             self.kv_cache_manager = HybridKVCacheManager(self.kv_cache_groups, self.num_blocks,
-                                                         cache_config.enable_prefix_caching)
+                                                         cache_config.enable_prefix_caching,
+                                                         hash_seed=cache_config.hash_seed)
         else:
             self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                    cache_config.enable_prefix_caching,
                                                    reservation_arena=make_arena(scheduler_config.reservation_arena,
                                                                                 self.num_blocks)
                                                    if scheduler_config.reservation_arena else None,
-                                                   enable_kv_cache_events=self.kv_events_enabled)
+                                                   enable_kv_cache_events=self.kv_events_enabled,
+                                                   hash_seed=cache_config.hash_seed)
         # A KV connector is built twice, as in vLLM: its scheduler half here, its worker half in the runner.
         kv_connector = {role: self._make_connector(role) for role in KVConnectorRole} \
             if config.kv_transfer_config is not None else {}
@@ -136,7 +138,8 @@ class LLMEngine:
         """One half of the configured KV connector, sized for this engine's blocks."""
         return KVConnectorFactory.create_connector(self.config.kv_transfer_config, role,
                                                    block_size=self.config.cache_config.block_size,
-                                                   bytes_per_block=self.block_bytes)
+                                                   bytes_per_block=self.block_bytes,
+                                                   hash_seed=self.config.cache_config.hash_seed)
 
     @property
     def kv_connector(self):

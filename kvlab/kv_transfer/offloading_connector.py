@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.core.prefix_cache import hash_block_tokens
+from kvlab.core.prefix_cache import hash_block_tokens, none_hash
 from kvlab.kv_offload import (
     DISK_MEDIUM,
     ARCOffloadingManager,
@@ -171,9 +171,13 @@ class OffloadingConnector(KVConnectorBase_V1):
     """Offloads full blocks to a CPU tier (and a disk tier) and loads a request's prefix back from them when the GPU
     cache lost it."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int,
+                 hash_seed: str | None = None):
         super().__init__(config, role)
         settings = _extra(config)
+        # The tiers name blocks by the engine's chain (its hash seed included), so a disk tier written by one
+        # process is found by another only if both share the seed, as vLLM's connectors need PYTHONHASHSEED.
+        self.none_hash = none_hash(hash_seed)
         self.kv_offloading_size, self.eviction_policy = settings.kv_offloading_size, settings.eviction_policy
         self.offload_prompt_only, self.async_loads = settings.offload_prompt_only, settings.async_loads
         self.disk_path, self.disk_size = settings.disk_path, settings.disk_size
@@ -238,7 +242,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         size = self.block_size
         full = request.num_tokens // size
         if len(hashes) < full:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self.none_hash
             for i in range(len(hashes), full):
                 parent = hash_block_tokens(parent, request.token_ids_between(i * size, (i + 1) * size))
                 hashes.append(parent)

@@ -221,7 +221,9 @@ def _remote_params(params: dict, rid: str) -> tuple[str, int, str, list[int]] | 
 class SocketConnector(KVConnectorBase_V1):
     """A prefill instance serves a finished request's blocks over TCP; a decode instance pulls them by block id."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int = 0):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, bytes_per_block: int = 0,
+                 hash_seed: str | None = None):
+        # hash_seed is unused: the producer's blocks are pulled by block id, not looked up by hash.
         # bytes_per_block (what the engine passes every connector) is not needed: the pools' own layout is sent.
         super().__init__(config, role)
         settings = _check_extra(config)

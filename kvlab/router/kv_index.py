@@ -13,7 +13,8 @@ Two ways the index goes stale, each detected here rather than silently mis-routi
 * a different hash seed: a replica whose first block hashes differently from the router's (vLLM's NONE_HASH
   comes from PYTHONHASHSEED, random when unset) reports hashes no prompt the router hashes will ever match.
   BlockStored carries the token ids, so the router re-hashes every block stored at a sequence's start
-  (parent None) and flags the replica on the first mismatch.
+  (parent None) from its own seed's root and flags the replica on the first mismatch. kvlab's engines take the
+  seed as hash_seed (`kvlab serve`: $PYTHONHASHSEED); the index takes the router's.
 
 choose_by_cost is the trade-off Dynamo's router documents: for each replica, the blocks it would have to
 prefill (the prompt's blocks less its hit) weighted by overlap_score_weight, plus the blocks it is already
@@ -25,17 +26,18 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvlab.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvlab.core.prefix_cache import block_hashes as chain_hashes
-from kvlab.core.prefix_cache import hash_block_tokens
+from kvlab.core.prefix_cache import hash_block_tokens, none_hash
 from kvlab.validation import check_block_size
 
 
 class KVBlockIndex:
     """Block hash -> replicas holding it, per replica the hashes it holds, and each replica's event health."""
 
-    def __init__(self, block_size: int, hash_fn=hash_block_tokens):
+    def __init__(self, block_size: int, hash_fn=hash_block_tokens, hash_seed: str | int | None = None):
         self.block_size = check_block_size(block_size)
         self.hash_fn = hash_fn
+        self.hash_seed = hash_seed
+        self.none_hash = none_hash(hash_seed)
         self.holders: dict[Hashable, set] = {}
         self.held: dict[Hashable, set] = {}        # replica -> its hashes
         self.last_seq: dict[Hashable, int] = {}
@@ -74,7 +76,7 @@ class KVBlockIndex:
             raise ValueError(f"replica {replica!r} reports blocks of {event.block_size} tokens; this index hashes "
                              f"blocks of {self.block_size}")
         if event.parent_block_hash is None and event.token_ids:
-            mine = self.hash_fn(None, event.token_ids[:self.block_size])
+            mine = self.hash_fn(self.none_hash, event.token_ids[:self.block_size])
             if mine != event.block_hashes[0]:
                 self.seed_mismatch.add(replica)
         for block_hash in event.block_hashes:
@@ -118,7 +120,15 @@ class KVBlockIndex:
 
     def prompt_hits(self, token_ids: Sequence[int], replicas: Iterable | None = None) -> dict:
         """longest_hits for a prompt's full blocks, hashed as the replicas hash them."""
-        return self.longest_hits(chain_hashes(list(token_ids), self.block_size), replicas)
+        return self.longest_hits(self.block_hashes(token_ids), replicas)
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list:
+        """A prompt's full-block hashes as replicas that share this index's seed and hash function name them."""
+        hashes, parent, size = [], self.none_hash, self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = self.hash_fn(parent, list(token_ids[start:start + size]))
+            hashes.append(parent)
+        return hashes
 
 
 def kv_cost(num_prompt_blocks: int, hit_blocks: int, active_blocks: int, overlap_score_weight: float = 1.0) -> float:
