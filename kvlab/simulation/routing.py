@@ -7,8 +7,8 @@ kvlab.router.policies, the module the live HTTP router uses, given
     block_hashes   the prompt's full-block hashes, chained exactly as the replicas' KVCacheManager chains them
                    (its hash function and root), so the router and the replicas name blocks alike
     loads          per replica a ReplicaLoad: num_waiting, num_running and kv_cache_usage as the engine stood at
-                   the end of its last finished step (vLLM refreshes its metrics once per step), plus the requests
-                   that joined its queue since; in_flight and active_blocks counted by the router itself
+                   the end of its last finished step (vLLM refreshes its metrics once per step), num_waiting plus
+                   the requests added after that step began; in_flight and active_blocks counted by the router
                    (active_blocks: ceil((prompt + outputs received so far) / block_size) per unfinished request)
 
 precise-prefix and kv-cost read a kvlab.router.KVBlockIndex fed only by the replicas' own KV-cache events
@@ -177,11 +177,12 @@ class _Replica:
         self.engine = engine
         self.next_start: float | None = None   # None: idle, no unfinished request
         self.clock = 0.0                       # when its last step ended
-        self.pending = None                    # (end, events, outputs, waiting, running, usage) not yet delivered
+        self.pending = None                    # (end, events, outputs, waiting, running, usage, joined) undelivered
         self.seq = 0                           # KV event batches published
         self.waiting = self.running = 0       # as of its last delivered step
         self.usage = 0.0
-        self.joined = 0                        # requests added since that step
+        self.joined = 0                        # requests added to it so far
+        self.joined_seen = 0                   # of which the last delivered step's counts include
         self.in_flight = 0
         self.active_blocks = 0
         self.busy_s = 0.0
@@ -274,7 +275,7 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
 
     def deliver(rep_id: int, rep: _Replica) -> None:
         """What a finished step tells the router: its KV events, its requests' tokens, the engine's counts."""
-        end, events, outputs, waiting, running, usage = rep.pending
+        end, events, outputs, waiting, running, usage, joined = rep.pending
         rep.pending = None
         if events:
             rep.seq += 1
@@ -289,7 +290,7 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
                 rep.active_blocks -= p.blocks
                 rep.in_flight -= 1
                 del placed[out.request_id]
-        rep.waiting, rep.running, rep.usage = waiting, running, usage
+        rep.waiting, rep.running, rep.usage, rep.joined_seen = waiting, running, usage, joined
 
     def deliver_until(now: float) -> None:
         for rep_id, rep in enumerate(replicas):
@@ -346,8 +347,7 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
             timings[int(out.request_id)].got_tokens(end, out.status.finished)
         kv = engine.kv_cache_manager
         rep.pending = (end, kv.take_events(), outputs, len(engine.scheduler.waiting), len(engine.scheduler.running),
-                       kv.num_used_blocks / kv.num_blocks)
-        rep.joined = 0
+                       kv.num_used_blocks / kv.num_blocks, rep.joined)
         rep.clock = end
         rep.next_start = end if engine.has_unfinished_requests() else None
     for i, rep in enumerate(replicas):
@@ -363,8 +363,8 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
 
 
 def _load(rep: _Replica) -> ReplicaLoad:
-    return ReplicaLoad(num_waiting=rep.waiting + rep.joined, num_running=rep.running, kv_cache_usage=rep.usage,
-                       in_flight=rep.in_flight, active_blocks=rep.active_blocks)
+    return ReplicaLoad(num_waiting=rep.waiting + rep.joined - rep.joined_seen, num_running=rep.running,
+                       kv_cache_usage=rep.usage, in_flight=rep.in_flight, active_blocks=rep.active_blocks)
 
 
 # ---------------------------------------------------------------------------------------------

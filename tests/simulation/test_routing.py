@@ -94,6 +94,36 @@ def test_the_router_hashes_prompts_as_the_replicas_do(shared, shared_runs):
     assert all(h in kv.block_pool.cached_block_hash_to_block for h in hashes)
 
 
+class Recording(RoutingPolicy):
+    """least-loaded's choice, keeping every ReplicaLoad it was shown."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.seen = []
+
+    def choose(self, block_hashes, loads):
+        self.seen.append({r: load for r, load in loads.items()})
+        return min(loads, key=lambda r: load_key(loads[r]))
+
+
+def test_the_router_counts_what_it_has_been_told_by_each_arrival(shared):
+    """At the k-th arrival t, a replica's in_flight is the requests placed there that had not finished by t, and its
+    active_blocks their blocks of prompt plus the tokens delivered by t: nothing of a step still in flight leaks."""
+    recorder = Recording()
+    result = simulate_routing(shared, lambda index: recorder, 3)
+    assert len(recorder.seen) == len(shared)
+    for k, loads in enumerate(recorder.seen):
+        t = shared[k].arrival
+        for rep, load in loads.items():
+            mine = [(req, timing) for req, timing, r in zip(shared[:k], result.timings, result.replica_of) if r == rep]
+            open_ = [(req, timing) for req, timing in mine if timing.finish > t]
+            assert load.in_flight == len(open_)
+            assert load.active_blocks == sum(-(-(len(req.prompt_token_ids) + sum(x <= t for x in timing.token_times))
+                                                // 16) for req, timing in open_)
+            assert load.num_waiting + load.num_running >= 0 and 0 <= load.kv_cache_usage <= 1
+
+
 class MinActiveBlocks(RoutingPolicy):
     """A prefix-blind balancer: fewest active blocks, then least-loaded's order."""
 
