@@ -1,8 +1,11 @@
 """Cache-aware routing at scale, simulated: five router policies over 4, 8 and 16 replicas on the Mooncake trace.
 
 Every replica is the simulated engine (kvlab.simulation.engine: kvlab's Scheduler and KVCacheManager, step times
-from the roofline step-time model) of Llama-3-8B on one H100 SXM (tensor parallel 1, its pool from kv_capacity:
-473,984 tokens), max_model_len 131,072, blocks of 16, "builtin" block hashing as the other Mooncake simulations.
+from the roofline step-time model) of Llama-3-8B on 2 x H100 SXM (tensor parallel 2, its pool from kv_capacity:
+1,075,904 tokens; benchmarks/mooncake_serving.py's fewest-GPU deployment is 3 such replicas, and at TP 2 the
+trace's p90 prompt prefills in about 0.5 s, leaving the 2 s objective room to queue, where at TP 1 it takes 1.0 s
+and long prompts' prefills put p90 TTFT near 2 s at any rate), max_model_len 131,072, blocks of 16, "builtin"
+block hashing as the other Mooncake simulations.
 The replicas share one virtual clock behind a router (kvlab.simulation.routing.simulate_routing) that places each
 request at its arrival with a policy of kvlab.router.policies, the live router's: round-robin, least-loaded,
 approx-prefix (the router's own history of prompts), precise-prefix (an index fed by the replicas' KV-cache
@@ -12,7 +15,7 @@ Three tables:
 
 1. Per policy and replica count N: the Mooncake conversation trace's first --requests requests (600 by default:
    201 s of the trace, 2.98 requests/s, mean prompt 13,822 tokens; an unbounded cache would serve 17.2% of their
-   prompt tokens) with arrivals compressed by --per-replica-scale x N (0.15 x N: the load per replica stays the
+   prompt tokens) with arrivals compressed by --per-replica-scale x N (0.3 x N: the load per replica stays the
    same as N grows, near round-robin's knee). Prefix hit rate, TTFT p50 / p90 / p99, TPOT p90, prefill imbalance
    (max / mean over replicas of the prompt tokens each computed), request imbalance, SLO attainment (the share of
    requests with TTFT <= 2 s and TPOT <= 100 ms).
@@ -20,16 +23,17 @@ Three tables:
    p90 TPOT <= 100 ms (benchmarks/mooncake_serving.py's objective), by planning.max_rate_under_slo's bisection
    over rate scales per replica in [--search-low, --search-high] to --search-tolerance.
 3. The hot prefix (kvlab.simulation.routing.hot_prefix_requests): --hot-requests requests at --hot-rate per second
-   on --hot-replicas replicas, 80% of them a 6,144-token shared prefix plus 128 fresh tokens, the rest 1,024
-   fresh tokens, 512 output tokens each, the prefix cached on one replica before the stream starts. Each policy
-   once, and kv-cost at each of --weights, to show where affinity starts to pile the hot requests on one replica.
+   on --hot-replicas replicas of --hot-tp GPUs (1: one H100 each, max_model_len 8,192), 80% of them a 6,144-token
+   shared prefix plus 128 fresh tokens, the rest 1,024 fresh tokens, 512 output tokens each, the prefix cached on
+   one replica before the stream starts. Each policy once, and kv-cost at each of --weights, to show where
+   affinity starts to pile the hot requests on one replica.
 
 The figures are a simulation's: as good as the step-time model (benchmarks/README.md, the step-time section).
 Saved to --json so the README and the chapter read them without simulating.
 
-    OMP_NUM_THREADS=1 python benchmarks/routing_sim.py [--replicas 4 8 16] [--requests 600] [--jobs 2]
-        [--per-replica-scale 0.15] [--search-low 0.05] [--search-high 0.4] [--search-tolerance 0.025]
-        [--hot-replicas 4] [--hot-requests 600] [--hot-rate 40] [--weights 0 1 4 16 64 256 1024]
+    OMP_NUM_THREADS=1 python benchmarks/routing_sim.py [--tp 2] [--replicas 4 8 16] [--requests 600] [--jobs 2]
+        [--per-replica-scale 0.3] [--search-low 0.1] [--search-high 1.2] [--search-tolerance 0.075]
+        [--hot-replicas 4] [--hot-tp 1] [--hot-requests 600] [--hot-rate 40] [--weights 0 1 4 16 64 256 1024]
         [--json benchmarks/saved/routing_sim.json]
 """
 
@@ -99,15 +103,16 @@ def main(argv=None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="H100-SXM")
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--requests", type=int, default=600, help="the trace's first N requests")
-    parser.add_argument("--per-replica-scale", type=float, default=0.15,
+    parser.add_argument("--per-replica-scale", type=float, default=0.3,
                         help="table 1's arrival-rate scale per replica (x N replicas)")
-    parser.add_argument("--search-low", type=float, default=0.05, help="rate scale per replica the search starts at")
-    parser.add_argument("--search-high", type=float, default=0.4)
-    parser.add_argument("--search-tolerance", type=float, default=0.025)
+    parser.add_argument("--search-low", type=float, default=0.1, help="rate scale per replica the search starts at")
+    parser.add_argument("--search-high", type=float, default=1.2)
+    parser.add_argument("--search-tolerance", type=float, default=0.075)
     parser.add_argument("--hot-replicas", type=int, default=4)
+    parser.add_argument("--hot-tp", type=int, default=1)
     parser.add_argument("--hot-requests", type=int, default=600)
     parser.add_argument("--hot-rate", type=float, default=40.0, help="requests per second of the hot-prefix workload")
     parser.add_argument("--weights", type=float, nargs="+", default=[0, 1, 4, 16, 64, 256, 1024])
@@ -115,7 +120,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--jobs", type=int, default=2, help="processes running tasks side by side")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "saved" / "routing_sim.json")
     args = parser.parse_args(argv)
-    for name in ("requests", "hot_requests", "hot_replicas", "jobs", "tp"):
+    for name in ("requests", "hot_requests", "hot_replicas", "jobs", "tp", "hot_tp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.replicas):
@@ -139,7 +144,8 @@ def main(argv=None) -> dict:
         jobs += [dict(common, kind="search", policy=p, replicas=n, requests=args.requests, low=args.search_low,
                       high=args.search_high, tolerance=args.search_tolerance)
                  for n in args.replicas for p in POLICIES]
-    hot_common = dict(common, kind="hot", replicas=args.hot_replicas, requests=args.hot_requests, rate=args.hot_rate)
+    hot_common = dict(common, tp=args.hot_tp, kind="hot", replicas=args.hot_replicas, requests=args.hot_requests,
+                      rate=args.hot_rate)
     jobs += [dict(hot_common, policy=p, weight=1.0) for p in POLICIES if p != "kv-cost"]
     jobs += [dict(hot_common, policy="kv-cost", weight=w) for w in args.weights]
     # The searches are the longest tasks: start them first so that the pool's two processes end together.
@@ -176,7 +182,8 @@ def main(argv=None) -> dict:
                 s = next(r for r in searches if r["replicas"] == n and r["policy"] == p)["rate_scale"]
                 cells.append(f"{'none' if s is None else f'{s:.3f} ({s * native:.2f})':>18}")
             print(f"{n:>3} " + " ".join(cells))
-    print(f"\n3. hot prefix: {args.hot_requests} requests at {args.hot_rate:g}/s on {args.hot_replicas} replicas")
+    print(f"\n3. hot prefix: {args.hot_requests} requests at {args.hot_rate:g}/s on {args.hot_replicas} replicas of "
+          f"{args.hot_tp} x {args.gpu}")
     print(f"{'policy':>15} {'weight':>7} {'busiest':>8} {'hit':>6} {'TTFT p50/p90/p99 s':>20} {'TPOT p90':>9} "
           f"{'SLO':>6}")
     for r in hot:
@@ -188,7 +195,8 @@ def main(argv=None) -> dict:
     report = dict(model="llama-3-8b", gpu=args.gpu, tp=args.tp, requests=len(trace), span_s=span,
                   native_rate=native, unbounded_hit_rate=ceiling, ttft_slo_s=TTFT_SLO, tpot_slo_s=TPOT_SLO,
                   per_replica_scale=args.per_replica_scale, grid=grid, searches=searches, hot=hot,
-                  hot_workload=dict(replicas=args.hot_replicas, requests=args.hot_requests, rate=args.hot_rate),
+                  hot_workload=dict(replicas=args.hot_replicas, tp=args.hot_tp, requests=args.hot_requests,
+                                    rate=args.hot_rate),
                   jobs=args.jobs, seconds=round(seconds, 1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
