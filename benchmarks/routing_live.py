@@ -19,9 +19,8 @@ per policy and run makes every cache start empty (kvlab serve has no endpoint to
 Printed per policy (the median over --runs): the prefix-cache hit rate (hits / lookups over all replicas), prefill
 tokens computed (prompt tokens - hits), TTFT p50/p90/p99 and end-to-end p50/p90 on the client's clock, and each
 run's requests per replica (from the replicas' /metrics, checked against the router's own count and the replica
-each answer names). Greedy answers
-must not depend on where a request ran: every policy's answers are compared with the first row's and the command
-says whether they are equal (exit status 1 if not).
+each answer names). Greedy answers must not depend on where a request ran: every policy's answers are compared
+with the first row's and the command says whether they are equal (exit status 1 if not).
 """
 
 from __future__ import annotations
