@@ -175,11 +175,12 @@ def main(argv=None) -> int:
     from kvlab import load_model
     from kvlab.benchmarks.routing_workload import build_routing_workload, longest_prompt_len
 
-    tokenizer = load_model("default")[1]
-    try:
+    model, tokenizer = load_model("default")
+    try:  # every turn must fit the context the replicas serve: the model's own (256 tokens for the embedded one)
         workload = build_routing_workload(tokenizer, num_conversations=args.conversations, num_turns=args.turns,
                                           num_system_prompts=args.system_prompts, hot_share=args.hot_share,
-                                          max_tokens=args.max_tokens, seed=args.seed)
+                                          max_tokens=args.max_tokens, seed=args.seed,
+                                          max_model_len=model.config.max_position_embeddings)
     except ValueError as err:
         parser.error(str(err))
     setups = [] if args.no_baseline else [BASELINE]
