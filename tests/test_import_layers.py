@@ -49,9 +49,10 @@ ALLOWED_KVLAB = {
     # GPU-scale simulation: a step-time model and vLLM's capacity arithmetic, and the engine's own scheduler on a
     # virtual clock above them; it sits on top of the engine, the baselines and the measurements, and nothing
     # in kvlab imports it.
-    # It drives a KV connector's scheduler half (the real tier decisions) and times the copies the worker would make.
+    # It drives a KV connector's scheduler half (the real tier decisions) and times the copies the worker would make,
+    # and places requests on simulated replicas with the live router's own policies and index.
     "kvlab.simulation": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.kv_transfer",
-                         "kvlab.kv_offload", "kvlab.decoding", "kvlab.spec_decode", "kvlab.baselines",
+                         "kvlab.router", "kvlab.kv_offload", "kvlab.decoding", "kvlab.spec_decode", "kvlab.baselines",
                          "kvlab.benchmarks", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
     # The notebooks' checks; Chapter 7's launch a learner's kernel and load kvlab.course.checks afresh by name.
     "kvlab.course": {"kvlab.kernels"},

@@ -21,6 +21,7 @@ import argparse
 import json
 import shlex
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -88,6 +89,18 @@ class ReplicaSet(ProcessGroup):
             self.stop()
             raise
 
+    def stop(self) -> None:
+        """Stop the router first (it would log every replica going away as a crash), then the replicas."""
+        router = self._procs.get("router")
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait(10)
+        super().stop()
+
     def _start_replica(self, i: int, hash_seed: str | None = None) -> None:
         ports = self.ports[i]
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -154,6 +167,10 @@ def run_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                               shlex.split(args.router_args), args.hash_seed, args.log_dir, args.host, args.port)
     except ValueError as err:
         parser.exit(2, f"kvlab replicas: {err}\n")
+    except RuntimeError as err:  # a process that would not start (its log's end is in the message)
+        parser.exit(1, f"kvlab replicas: {err}\n")
+    except KeyboardInterrupt:  # interrupted while starting: what had started is stopped already
+        return
     try:
         print(f"kvlab replicas: router on {replicas.router_url} (policy {args.policy}; stats at /router/stats), "
               f"replicas {', '.join(replicas.replica_urls)}; logs in {replicas.log_dir}. Ctrl-C stops all.",

@@ -12,6 +12,10 @@ deployment by vLLM's start-up arithmetic.
                 loads, saves beside the forward pass, disk writes reported when their virtual write ends
     planning    capacity planning on the simulated engine: a step's roofline, the highest rate under a TTFT/TPOT
                 SLO (bisection over simulations), the fewest GPUs (replicas x tensor-parallel degree) for a rate
+    routing     N replicas of the simulated engine on one clock behind a router policy of kvlab.router.policies (the
+                live router's), precise-prefix and kv-cost fed by the replicas' own KV-cache events: hit rate, TTFT,
+                load imbalance and SLO attainment per policy, the rate at which each stops meeting an SLO, and a
+                hot prefix that pure affinity piles on one replica
 """
 
 from kvlab.simulation.capacity import activation_peak_bytes, kv_capacity
@@ -26,8 +30,16 @@ from kvlab.simulation.engine import (
                                      simulate,
 )
 from kvlab.simulation.gpus import GPU, GPUS, get_gpu
+from kvlab.simulation.routing import (
+                                      RoutingResult,
+                                      hot_prefix_requests,
+                                      max_rate_scale_under_slo,
+                                      mooncake_requests,
+                                      simulate_routing,
+)
 from kvlab.simulation.step_time import ModelSpec, StepTime, step_time, weight_bytes_per_gpu
 
-__all__ = ["GPU", "GPUS", "GPUStepTime", "ModelSpec", "SimRequest", "SimulatedEngine", "SimulatedModelRunner",
-           "SimulationResult", "StepComposition", "StepTime", "activation_peak_bytes", "get_gpu", "kv_capacity",
-           "run_static", "simulate", "step_time", "weight_bytes_per_gpu"]
+__all__ = ["GPU", "GPUS", "GPUStepTime", "ModelSpec", "RoutingResult", "SimRequest", "SimulatedEngine",
+           "SimulatedModelRunner", "SimulationResult", "StepComposition", "StepTime", "activation_peak_bytes",
+           "get_gpu", "hot_prefix_requests", "kv_capacity", "max_rate_scale_under_slo", "mooncake_requests",
+           "run_static", "simulate", "simulate_routing", "step_time", "weight_bytes_per_gpu"]

@@ -325,7 +325,9 @@ class SimulatedEngine:
     StepComposition into seconds. prefix_caching_hash_algo defaults to "builtin", where the live engine keeps
     "sha256": the same cache hits, hashed about ten times faster (kvlab.core.prefix_cache). kv_connector is a KV
     connector's scheduler half (an OffloadingConnector built with role SCHEDULER), kv_transfer_links the rates
-    the runner times its copies at; give both or neither.
+    the runner times its copies at; give both or neither. enable_kv_cache_events makes the block pool record vLLM's
+    KV-cache events (kvlab.core.kv_events), taken with kv_cache_manager.take_events() after a step, as the live
+    engine publishes them.
     """
 
     def __init__(self, step_time_fn: StepTimeFn, num_blocks: int, max_model_len: int, block_size: int = 16,
@@ -333,7 +335,7 @@ class SimulatedEngine:
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
                  reservation_policy: str | None = None, prefix_caching_hash_algo: str = "builtin",
                  reservation_arena: str | None = None, kv_connector=None,
-                 kv_transfer_links: KVTransferLinks | None = None):
+                 kv_transfer_links: KVTransferLinks | None = None, enable_kv_cache_events: bool = False):
         if not callable(step_time_fn):
             raise ValueError(f"step_time_fn must be a function of a StepComposition returning seconds, "
                              f"got {step_time_fn!r}")
@@ -364,7 +366,8 @@ class SimulatedEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching,
                                                prefix_caching_hash_algo=prefix_caching_hash_algo,
                                                reservation_arena=None if reservation_arena is None else
-                                               make_arena(reservation_arena, num_blocks))
+                                               make_arena(reservation_arena, num_blocks),
+                                               enable_kv_cache_events=enable_kv_cache_events)
         self.scheduler = Scheduler(self.kv_cache_manager, check_positive_int("max_num_seqs", max_num_seqs),
                                    check_positive_int("max_num_batched_tokens", max_num_batched_tokens),
                                    preemption_mode,

@@ -264,3 +264,32 @@ def test_a_replica_with_another_hash_seed_is_reported_and_gets_no_prefix_score(r
     assert chosen != odd, "its blocks (named under seed 7) score nothing; the tie goes to an earlier replica"
     replicas.restart_replica(i)  # the shared seed again: the flag goes with the old process
     assert not replica_stats(router, odd)["seed_mismatch"]
+
+
+def test_kvlab_replicas_starts_everything_and_stops_every_child_on_sigterm(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvlab.entrypoints.launch import healthy
+
+    port = free_port()
+    log = tmp_path / "replicas.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvlab.entrypoints.cli", "replicas", "--num-replicas", "1",
+                                 "--policy", "least-loaded", "--port", str(port), "--serve-args", "--num-blocks 32",
+                                 "--log-dir", str(tmp_path / "logs")], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        wait_for(lambda: "Ctrl-C stops all" in log.read_text() or proc.poll() is not None, 120, "the banner")
+        banner = log.read_text()
+        replica_url = re.search(r"replicas (http://\S+);", banner).group(1)
+        router = f"http://127.0.0.1:{port}"
+        assert stats(router)["policy"] == "least-loaded"
+        assert answer(router, body(PROMPTS[0], n=4)) == (answer(replica_url, body(PROMPTS[0], n=4))[0], replica_url)
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, log.read_text()
+    assert not healthy(router) and not healthy(replica_url), "every child stopped with the command"
+    assert (tmp_path / "logs" / "replica0.log").exists() and (tmp_path / "logs" / "router.log").exists()
