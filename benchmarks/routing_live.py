@@ -18,9 +18,9 @@ per policy and run makes every cache start empty (kvlab serve has no endpoint to
 
 Printed per policy (the median over --runs): the prefix-cache hit rate (hits / lookups over all replicas), prefill
 tokens computed (prompt tokens - hits), TTFT p50/p90/p99 and end-to-end p50/p90 on the client's clock, and each
-run's requests per replica (from the replicas' /metrics, checked against the router's own count). Greedy answers
-must not depend on where a request ran: every policy's answers are compared with the first row's and the command
-says whether they are equal (exit status 1 if not).
+run's requests per replica (from the replicas' /metrics, checked against the router's own count and the replica
+each answer names). Greedy answers must not depend on where a request ran: every policy's answers are compared
+with the first row's and the command says whether they are equal (exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def routed_counts(stats_before: dict, stats_after: dict) -> dict[str, int]:
 
 def run_one(policy: str, workload, args):
     """One run of the workload on fresh replicas (or one replica for BASELINE): its RoutingRunResult."""
-    from kvlab.benchmarks.routing_workload import run_workload
+    from kvlab.benchmarks.routing_workload import REPLICA_HEADER, run_workload
 
     serve_args = ["--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)]
     kwargs = dict(conversation_rate=args.rate, arrival=args.arrival, think_time_s=args.think_time_s, model="default")
@@ -106,8 +106,10 @@ def run_one(policy: str, workload, args):
                                           router_url=replicas.router_url, **kwargs))
     routed = routed_counts(result.router_stats_before, result.router_stats)
     served = {r.url: r.requests for r in result.replicas}
-    if routed != served:
-        raise RuntimeError(f"{policy}: the router counts {routed} requests per replica, their /metrics {served}")
+    named = {url: sum(r.replica.rstrip("/") == url for r in result.requests if r.replica) for url in served}
+    if not routed == served == named:
+        raise RuntimeError(f"{policy}: requests per replica differ: the router's stats {routed}, the replicas' "
+                           f"/metrics {served}, the answers' {REPLICA_HEADER} headers {named}")
     return result
 
 
@@ -173,11 +175,12 @@ def main(argv=None) -> int:
     from kvlab import load_model
     from kvlab.benchmarks.routing_workload import build_routing_workload, longest_prompt_len
 
-    tokenizer = load_model("default")[1]
-    try:
+    model, tokenizer = load_model("default")
+    try:  # every turn must fit the context the replicas serve: the model's own (256 tokens for the embedded one)
         workload = build_routing_workload(tokenizer, num_conversations=args.conversations, num_turns=args.turns,
                                           num_system_prompts=args.system_prompts, hot_share=args.hot_share,
-                                          max_tokens=args.max_tokens, seed=args.seed)
+                                          max_tokens=args.max_tokens, seed=args.seed,
+                                          max_model_len=model.config.max_position_embeddings)
     except ValueError as err:
         parser.error(str(err))
     setups = [] if args.no_baseline else [BASELINE]
