@@ -95,7 +95,7 @@ async def one_run(url: str, args, decoders: list[str], longs: list[str]) -> dict
 
 def serve_colocated(serve_args, env):
     """One `kvlab serve` on a free port: (process, url)."""
-    from kvlab.entrypoints.disagg import _healthy, free_port
+    from kvlab.entrypoints.launch import free_port, healthy
 
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "kvlab-colocated.log", "wb")  # noqa: SIM115
@@ -104,7 +104,7 @@ def serve_colocated(serve_args, env):
                             env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    while not _healthy(url):
+    while not healthy(url):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("the colocated server did not start; see kvlab-colocated.log")

@@ -42,7 +42,8 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
               arrivals, the online replay, step timing, the block-size sweep, 8-bit capacity and perplexity
   entrypoints/ kvlab serve (Ch 9): the OpenAI-compatible server (openai/: protocol, serving_completion,
               serving_chat, api_server), the CLI, the Prometheus export, a background server for notebooks,
-              kvlab proxy and the launcher of a prefill/decode pair (disagg_proxy, disagg; Ch 12)
+              kvlab proxy and the launcher of a prefill/decode pair (disagg_proxy, disagg; Ch 12), kvlab router
+              and kvlab replicas (router, replicas: cache-aware routing over replicas), process launching (launch)
   widgets/    the block map and the timeline; they draw plain data and nothing imports them but notebooks
   course/     the notebooks' checks (checks, kernel_checks), loaded afresh by every test cell
 

@@ -1,4 +1,4 @@
-"""Chapter 13's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values, each with a float32 scale.
+"""Chapter 14's 8-bit KV formats in plain torch: int8 or fp8 e4m3 values, each with a float32 scale.
 
     stored = quantize(x / scale)        x ~ stored * scale
 

@@ -40,8 +40,10 @@ ALLOWED_KVLAB = {
     "kvlab.baselines": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
                         "kvlab.analysis", "kvlab.validation"},
     # Measurement (vLLM's vllm/benchmarks): it drives engines and caches; nothing but scripts and notebooks import it.
+    # A live chat workload renders its turns with the server's chat template, to keep each within the context.
     "kvlab.benchmarks": {"kvlab.core", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.decoding",
-                         "kvlab.baselines", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation"},
+                         "kvlab.baselines", "kvlab.analysis", "kvlab.quantization", "kvlab.paths", "kvlab.validation",
+                         "kvlab.entrypoints.openai.chat_template"},
     # Widgets draw plain data: the block views' helpers are all they may read of the package.
     "kvlab.widgets": {"kvlab.core.block_views"},
     # GPU-scale simulation: a step-time model and vLLM's capacity arithmetic, and the engine's own scheduler on a
@@ -56,8 +58,9 @@ ALLOWED_KVLAB = {
     "kvlab.course": {"kvlab.kernels"},
     # A router's index over replicas' caches reads only the events' schema and the block hashes.
     "kvlab.router": {"kvlab.core", "kvlab.validation"},
-    # The HTTP server sits on the engine; nothing below imports it.
-    "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.validation"},
+    # The HTTP server sits on the engine; nothing below imports it. Its router hashes prompts as the engine does
+    # (core) and places them with the router's index and policies.
+    "kvlab.entrypoints": {"kvlab.engine", "kvlab.model", "kvlab.core", "kvlab.router", "kvlab.validation"},
     "kvlab.serve": {"kvlab.entrypoints"},
     "kvlab": {"kvlab.engine", "kvlab.model"},  # the public API, imported lazily by __init__
 }

@@ -85,7 +85,7 @@ def shipped_model_configs() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 13's follow-ups: tensor parallelism, a prompt's K/V in transit, and MLA's latent cache.
+# Chapter 14's follow-ups: tensor parallelism, a prompt's K/V in transit, and MLA's latent cache.
 
 def kv_heads_per_gpu(config, tensor_parallel_size: int) -> int:
     """KV heads each tensor-parallel rank stores: the heads split across ranks, or one replicated head per rank."""

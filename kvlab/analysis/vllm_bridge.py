@@ -1,4 +1,4 @@
-"""Chapter 13's bridge to vLLM: kvlab's knobs under vLLM's names, and how many KV blocks vLLM would allocate.
+"""Chapter 14's bridge to vLLM: kvlab's knobs under vLLM's names, and how many KV blocks vLLM would allocate.
 
 vLLM reserves its whole KV block pool once, at start-up. It loads the weights, runs one forward
 pass of the largest batch it will schedule to measure the activation peak, and gives what is left

@@ -1,4 +1,4 @@
-"""Chapter 13's measurements of 8-bit KV caches: how many tokens a byte budget holds, and what rounding costs.
+"""Chapter 14's measurements of 8-bit KV caches: how many tokens a byte budget holds, and what rounding costs.
 
     compare_capacity(config, 1 << 30, "int8", "float16")     # tokens in 1 GiB: ~2x in int8 against fp16
     logit_and_perplexity_change(model, tokenizer, text, "int8")
@@ -12,7 +12,7 @@ model's logits and perplexity teacher-forced through an unquantised and a quanti
 the engine's greedy output against the full-precision cache's, on prompts the embedded model never
 trained on (the last 10 % of the shipped text, its validation split).
 
-    python -m kvlab.benchmarks.quantization [--save]          # the README's Chapter 13 table
+    python -m kvlab.benchmarks.quantization [--save]          # the README's Chapter 14 table
 """
 
 import argparse

@@ -14,7 +14,7 @@ A PagedKVCache is composed of two parts, so that any pair works:
 
     PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim)              # Chapter 3
     PagedKVCache.for_model(model, num_blocks, block_size, attention_backend="auto")       # the engine's
-    PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype="int8")          # Chapter 13's 8 bits
+    PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype="int8")          # Chapter 14's 8 bits
 """
 
 import warnings

@@ -31,6 +31,12 @@ class RequestRejected(ValueError):
         self.message, self.param = message, param
 
 
+def tokenize_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids as the engine takes them (a router that must hash the same blocks calls this too)."""
+    # verbose=False: a prompt beyond the model's context is refused with a message, not a warning.
+    return list(tokenizer(text, verbose=False)["input_ids"])
+
+
 class InputProcessor:
     """Tokenises prompts and checks requests against the engine's fixed limits (safe to call from any thread)."""
 
@@ -64,8 +70,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs a tokenizer: give LLMEngine(model, tokenizer) or token ids",
                                       "prompt")
-            # verbose=False: a prompt beyond the model's context is refused below with a message, not a warning.
-            return prompt, list(self.tokenizer(prompt, verbose=False)["input_ids"])
+            return prompt, tokenize_text(self.tokenizer, prompt)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, Sequence) or any(not is_integer(t) for t in prompt):

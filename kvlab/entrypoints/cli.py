@@ -5,6 +5,8 @@
     kvlab serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
     python -m kvlab.serve --port 8001             # the same, without the console script
     kvlab proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200   # disaggregated prefill/decode
+    kvlab router --replica http://127.0.0.1:8101 --kv-events tcp://127.0.0.1:5557 ...  # cache-aware routing
+    kvlab replicas --num-replicas 3 --policy kv-cost  # three replicas and the router, until Ctrl-C
 
 The engine's flags are not written here: each is derived from its knob in kvlab.engine.config
 (EngineConfig.add_cli_args), so `kvlab serve --help` and LLM(...) accept the same settings with the same
@@ -55,7 +57,21 @@ def main(argv=None) -> None:
 
     proxy_parser(commands.add_parser("proxy", help="one OpenAI endpoint in front of a prefill and a decode server "
                                                    "(disaggregated prefill/decode)"))
+    from kvlab.entrypoints.replicas import replicas_parser
+    from kvlab.entrypoints.router import router_parser
+
+    router_parser(commands.add_parser("router", help="one OpenAI endpoint in front of several replicas, placing "
+                                                     "each request by their KV caches and loads"))
+    replicas_parser(commands.add_parser("replicas", help="start N replicas and the router in front, until Ctrl-C"))
     args = parser.parse_args(argv)
+    if args.command == "router":
+        from kvlab.entrypoints.router import run_router
+
+        run_router(args, parser)
+    if args.command == "replicas":
+        from kvlab.entrypoints.replicas import run_replicas
+
+        run_replicas(args, parser)
     if args.command == "proxy":
         import uvicorn
 

@@ -4,7 +4,7 @@ One reference for one contract: a ragged step's new tokens attend causally over 
 K/V (unified_attention_reference); a decode is its one-new-token case. The math is that of
 kvlab.cache.paged_cache.paged_attention: gather the sequence's keys and values through its block table,
 then softmax(q k^T * scale) v in fp32, on the kernels' tensor layout.
-Quantized pools (int8 or fp8, Chapter 13) are dequantised right after the gather with
+Quantized pools (int8 or fp8, Chapter 14) are dequantised right after the gather with
 kvlab.quantization.dequantize: stored * the scale of each (block, KV head).
 
 Sliding-window attention (sliding_window = W; None is full attention): the query at position p sees the

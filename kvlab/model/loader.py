@@ -34,11 +34,8 @@ def model_dir(name: str) -> Path:
     return SHIPPED_MODELS[name]
 
 
-def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: str | None = None):
-    """Return (model, tokenizer) in eval mode; None means the embedded model in assets/model, a shipped model's
-    name ("default", "window", "draft") its folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def _source(name_or_path) -> str:
+    """The folder or hub id load_model reads for a name, a path or None (the embedded model)."""
     if name_or_path is None:
         name_or_path = DEFAULT_MODEL_DIR
     elif name_or_path in SHIPPED_MODELS or _is_bare_word(name_or_path):
@@ -52,6 +49,20 @@ def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: st
                 f"or a Hugging Face id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
             )
         source = str(path)
+    return source
+
+
+def load_tokenizer(name_or_path=None):
+    """The tokenizer load_model(name_or_path) returns, without the weights (a router tokenizes as its replicas do)."""
+    return _load_tokenizer(_source(name_or_path))
+
+
+def load_model(name_or_path=None, dtype: torch.dtype = torch.float32, device: str | None = None):
+    """Return (model, tokenizer) in eval mode; None means the embedded model in assets/model, a shipped model's
+    name ("default", "window", "draft") its folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = _source(name_or_path)
     config = AutoConfig.from_pretrained(source)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Chapter 13's follow-up arithmetic: K/V per tensor-parallel GPU, a prompt's K/V in transit, MLA, sliding windows."""
+"""Chapter 14's follow-up arithmetic: K/V per tensor-parallel GPU, a prompt's K/V in transit, MLA, sliding windows."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Chapter 13: kvlab's knobs under vLLM's names, vLLM's block-count arithmetic and its three start-up errors."""
+"""Chapter 14: kvlab's knobs under vLLM's names, vLLM's block-count arithmetic and its three start-up errors."""
 
 import math
 

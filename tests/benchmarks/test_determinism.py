@@ -1,4 +1,4 @@
-"""Chapter 13's follow-up: why two greedy runs can differ, measured on kvlab's engine (kvlab.benchmarks.determinism)."""
+"""Chapter 14's follow-up: why two greedy runs can differ, measured on kvlab's engine (kvlab.benchmarks.determinism)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Chapter 13's measurements of 8-bit KV caches: capacity in a byte budget, and what quantising costs the model."""
+"""Chapter 14's measurements of 8-bit KV caches: capacity in a byte budget, and what quantising costs the model."""
 
 import pytest
 

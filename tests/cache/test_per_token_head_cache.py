@@ -1,4 +1,4 @@
-"""Chapter 13: vLLM's 8-bit KV formats with a scale per (token, KV head), beside kvlab's per-(block, KV head) ones.
+"""Chapter 14: vLLM's 8-bit KV formats with a scale per (token, KV head), beside kvlab's per-(block, KV head) ones.
 
 vLLM spells them int8_per_token_head and fp8_per_token_head (vllm/config/cache.py); the scale of each
 token and KV head is found from that token's values when it is written, so nothing is rounded twice.

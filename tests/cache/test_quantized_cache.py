@@ -1,4 +1,4 @@
-"""Chapter 13: the int8 / fp8 paged KV cache against the unquantised one, its error bounds and bad input."""
+"""Chapter 14: the int8 / fp8 paged KV cache against the unquantised one, its error bounds and bad input."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Chapter 7 on Chapter 13's pools: the Triton paged decode kernels reading int8 / fp8 K and V with their scales.
+"""Chapter 7 on Chapter 14's pools: the Triton paged decode kernels reading int8 / fp8 K and V with their scales.
 
 The pools come from an 8-bit kvlab.cache.paged_cache.PagedKVCache (random K/V written through its `write`, a
 prefill then one decode token, so block scales grow and requantise as in serving), and the kernels get
