@@ -15,7 +15,7 @@ deployment by vLLM's start-up arithmetic.
     routing     N replicas of the simulated engine on one clock behind a router policy of kvlab.router.policies (the
                 live router's), precise-prefix and kv-cost fed by the replicas' own KV-cache events: hit rate, TTFT,
                 load imbalance and SLO attainment per policy, the rate at which each stops meeting an SLO, and a
-                hot prefix that pure affinity piles on one replica
+                hot prefix that pure affinity piles on one replica; policy_grid and weight_sweep give a plot's rows
 """
 
 from kvlab.simulation.capacity import activation_peak_bytes, kv_capacity
@@ -35,11 +35,14 @@ from kvlab.simulation.routing import (
                                       hot_prefix_requests,
                                       max_rate_scale_under_slo,
                                       mooncake_requests,
+                                      policy_grid,
                                       simulate_routing,
+                                      weight_sweep,
 )
 from kvlab.simulation.step_time import ModelSpec, StepTime, step_time, weight_bytes_per_gpu
 
 __all__ = ["GPU", "GPUS", "GPUStepTime", "ModelSpec", "RoutingResult", "SimRequest", "SimulatedEngine",
            "SimulatedModelRunner", "SimulationResult", "StepComposition", "StepTime", "activation_peak_bytes",
            "get_gpu", "hot_prefix_requests", "kv_capacity", "max_rate_scale_under_slo", "mooncake_requests",
-           "run_static", "simulate", "simulate_routing", "step_time", "weight_bytes_per_gpu"]
+           "policy_grid", "run_static", "simulate", "simulate_routing", "step_time", "weight_bytes_per_gpu",
+           "weight_sweep"]

@@ -327,7 +327,8 @@ class SimulatedEngine:
     connector's scheduler half (an OffloadingConnector built with role SCHEDULER), kv_transfer_links the rates
     the runner times its copies at; give both or neither. enable_kv_cache_events makes the block pool record vLLM's
     KV-cache events (kvlab.core.kv_events), taken with kv_cache_manager.take_events() after a step, as the live
-    engine publishes them.
+    engine publishes them. hash_seed: the root of every block-hash chain (kvlab.core.prefix_cache.none_hash; None:
+    kvlab's fixed root), which a router must share to name the replica's blocks.
     """
 
     def __init__(self, step_time_fn: StepTimeFn, num_blocks: int, max_model_len: int, block_size: int = 16,
@@ -335,7 +336,8 @@ class SimulatedEngine:
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
                  reservation_policy: str | None = None, prefix_caching_hash_algo: str = "builtin",
                  reservation_arena: str | None = None, kv_connector=None,
-                 kv_transfer_links: KVTransferLinks | None = None, enable_kv_cache_events: bool = False):
+                 kv_transfer_links: KVTransferLinks | None = None, enable_kv_cache_events: bool = False,
+                 hash_seed: str | None = None):
         if not callable(step_time_fn):
             raise ValueError(f"step_time_fn must be a function of a StepComposition returning seconds, "
                              f"got {step_time_fn!r}")
@@ -367,7 +369,7 @@ class SimulatedEngine:
                                                prefix_caching_hash_algo=prefix_caching_hash_algo,
                                                reservation_arena=None if reservation_arena is None else
                                                make_arena(reservation_arena, num_blocks),
-                                               enable_kv_cache_events=enable_kv_cache_events)
+                                               enable_kv_cache_events=enable_kv_cache_events, hash_seed=hash_seed)
         self.scheduler = Scheduler(self.kv_cache_manager, check_positive_int("max_num_seqs", max_num_seqs),
                                    check_positive_int("max_num_batched_tokens", max_num_batched_tokens),
                                    preemption_mode,

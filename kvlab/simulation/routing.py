@@ -227,14 +227,16 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
                      num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                      max_num_batched_tokens: int = 8192, overlap_score_weight: float = 1.0,
                      approx_capacity_blocks: int | None = None, step_time_fn=None,
-                     prefix_caching_hash_algo: str = "builtin", max_steps: int = 10**8) -> RoutingResult:
+                     prefix_caching_hash_algo: str = "builtin", hash_seed: str | None = None,
+                     max_steps: int = 10**8) -> RoutingResult:
     """Serve a trace (SimRequests sorted by arrival) on num_replicas simulated engines behind one routing policy.
 
     policy: a name of kvlab.router.policies.POLICIES (made with make_policy and this run's KVBlockIndex,
     overlap_score_weight and approx_capacity_blocks), or a function of the KVBlockIndex returning a RoutingPolicy.
     Every replica is the same deployment: model on tensor_parallel_size x gpu, its pool sized by kv_capacity unless
     num_blocks is given (replica_deployment); step_time_fn replaces the step-time model. prefix_caching_hash_algo:
-    "builtin" (fast, one process) as the other Mooncake simulations use, or "sha256", the live engine's.
+    "builtin" (fast, one process) as the other Mooncake simulations use, or "sha256", the live engine's. hash_seed:
+    the replicas' (and so the router's) root of the block-hash chain, as `kvlab serve --hash-seed`.
     """
     started = time.perf_counter()
     check_positive_int("num_replicas", num_replicas)
@@ -257,7 +259,7 @@ def simulate_routing(requests: Sequence[SimRequest], policy, num_replicas: int, 
     replicas = [_Replica(SimulatedEngine(step_time_fn, num_blocks, max_model_len, block_size, max_num_seqs,
                                          max_num_batched_tokens, True,
                                          prefix_caching_hash_algo=prefix_caching_hash_algo,
-                                         enable_kv_cache_events=True))
+                                         enable_kv_cache_events=True, hash_seed=hash_seed))
                 for _ in range(num_replicas)]
     manager = replicas[0].engine.kv_cache_manager
     # The router hashes prompts as the replicas do: their hash function, from their seed's root.

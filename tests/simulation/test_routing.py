@@ -94,6 +94,21 @@ def test_the_router_hashes_prompts_as_the_replicas_do(shared, shared_runs):
     assert all(h in kv.block_pool.cached_block_hash_to_block for h in hashes)
 
 
+@pytest.mark.parametrize("algo", ["builtin", "sha256"])
+def test_a_hash_seed_is_shared_by_the_replicas_and_the_router(shared, shared_runs, algo):
+    """With a hash seed the replicas' chains start from its root; the router hashes from the same root, so
+    precise-prefix finds the same hits as without a seed, and the index flags no replica for another seed."""
+    seeded = simulate_routing(shared, "precise-prefix", 3, hash_seed="1234", prefix_caching_hash_algo=algo)
+    unseeded = shared_runs["precise-prefix"]
+    assert seeded.replica_of == unseeded.replica_of
+    assert seeded.prefix_hit_rate == unseeded.prefix_hit_rate
+    index = seeded.extra["index"]
+    assert not index.seed_mismatch and index.hash_seed == "1234"
+    pools = [set(e.kv_cache_manager.block_pool.cached_block_hash_to_block) for e in seeded.extra["engines"]]
+    assert [index.held[r] for r in range(3)] == pools
+    assert not pools[0] & set(unseeded.extra["engines"][0].kv_cache_manager.block_pool.cached_block_hash_to_block)
+
+
 class Recording(RoutingPolicy):
     """least-loaded's choice, keeping every ReplicaLoad it was shown."""
 
