@@ -29,8 +29,10 @@ The package is layered as vLLM V1 is; each layer imports only the ones above it 
   kv_transfer/ the KV connector API (vLLM's distributed/kv_transfer): base, config (KVTransferConfig),
               factory, offloading_connector (CPU and disk tiers behind the prefix cache), socket_connector
               (disaggregated prefill/decode: a decode server pulls a prefill server's blocks by id; Ch 12)
-  router/     routing across replicas by their caches: kv_index (block hash -> replicas, from KV-cache events;
-              the longest consecutive hit; Dynamo's cost of prefill blocks plus active blocks)
+  router/     routing across replicas by their caches (Ch 13): kv_index (block hash -> replicas, from KV-cache
+              events; the longest consecutive hit; Dynamo's cost of prefill blocks plus active blocks), policies
+              (round-robin, least-loaded, approx-prefix, precise-prefix, kv-cost; the live router's and the
+              simulation's)
   engine/     the serving engine (Ch 6), in vLLM V1's parts: config (EngineConfig and its Model/Cache/Scheduler
               parts), kv_cache_utils (pool sizing), sampling_params, request, input_processor, scheduler
               (its rules as pure functions; owns request state), scheduler_output (what the scheduler hands the
