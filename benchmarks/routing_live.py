@@ -29,12 +29,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,40 +43,15 @@ BASELINE = "1 replica"
 @contextlib.contextmanager
 def single_replica(serve_args: list[str], hash_seed: str):
     """One `kvlab serve` on a free loopback port; yields its URL and stops it on exit."""
-    import httpx
+    from kvlab.entrypoints.launch import CLI, ProcessGroup, free_port
 
-    with socket.socket() as sock:  # a port free now; the replica binds it a moment later
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvlab.entrypoints.cli", "serve", "default", "--port",
-                                 str(port), "--served-model-name", "default", *serve_args], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        try:
-            deadline = time.monotonic() + 180
-            while not healthy():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"the replica did not start:\n{log.read()[-2000:].decode(errors='replace')}")
-                time.sleep(0.1)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with ProcessGroup(env={"PYTHONHASHSEED": hash_seed}, prefix="kvlab-routing-live-") as group:
+        group.start("replica", [*CLI, "serve", "default", "--port", str(port), "--served-model-name", "default",
+                                *serve_args])
+        group.wait_healthy({"replica": url}, 180)
+        yield url
 
 
 def routed_counts(stats_before: dict, stats_after: dict) -> dict[str, int]:

@@ -73,12 +73,17 @@ def get_hash_fn(name: str):
         raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_FUNCTIONS)}, got {name!r}") from None
 
 
+def chain_hashes(token_ids: Sequence[int], block_size: int, hash_fn=hash_block_tokens, root=None,
+                 extra_keys: Hashable | None = None) -> list:
+    """Every full block's hash by hash_fn, chained from root (the seed's none_hash); a partial last block gets none."""
+    hashes, parent = [], root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn(parent, token_ids[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Hashable | None = None,
                  hash_seed: str | int | None = None) -> list[BlockHash]:
     """Hashes of every full block of a sequence, first block first; a partly filled last block gets none."""
-    hashes: list[BlockHash] = []
-    parent = none_hash(hash_seed)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(token_ids, block_size, root=none_hash(hash_seed), extra_keys=extra_keys)

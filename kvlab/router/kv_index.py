@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvlab.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvlab.core.prefix_cache import hash_block_tokens, none_hash
+from kvlab.core.prefix_cache import chain_hashes, hash_block_tokens, none_hash
 from kvlab.validation import check_block_size
 
 
@@ -124,11 +124,7 @@ class KVBlockIndex:
 
     def block_hashes(self, token_ids: Sequence[int]) -> list:
         """A prompt's full-block hashes as replicas that share this index's seed and hash function name them."""
-        hashes, parent, size = [], self.none_hash, self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            parent = self.hash_fn(parent, list(token_ids[start:start + size]))
-            hashes.append(parent)
-        return hashes
+        return chain_hashes(list(token_ids), self.block_size, self.hash_fn, self.none_hash)
 
 
 def kv_cost(num_prompt_blocks: int, hit_blocks: int, active_blocks: int, overlap_score_weight: float = 1.0) -> float:

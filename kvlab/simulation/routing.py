@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from kvlab.benchmarks.datasets import poisson_arrivals
 from kvlab.benchmarks.replay import RequestTiming
 from kvlab.core.kv_events import KVEventBatch
+from kvlab.core.prefix_cache import chain_hashes
 from kvlab.router.kv_index import KVBlockIndex
 from kvlab.router.policies import POLICIES, ReplicaLoad, make_policy
 from kvlab.simulation.capacity import kv_capacity
@@ -154,11 +155,7 @@ def _max_over_mean(values: Sequence[float]) -> float:
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: Callable, root=None) -> list[Hashable]:
     """The full blocks' hashes of a prompt, chained from root as KVCacheManager chains them: (num_full_blocks,)."""
-    hashes, parent = [], root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_fn(parent, token_ids[start:start + block_size], None)
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(token_ids, block_size, hash_fn, root)
 
 
 @dataclass(slots=True)
